@@ -1,0 +1,479 @@
+"""The weight and activation formats of SPEC.md §1-3: encode, decode, pack, validate.
+
+Every function here is exact: quantizers produce the bytes the contract names,
+decoders produce the values the contract names, and validators raise
+``ValueError``/``TypeError`` naming the offending tensor.
+
+Storage dtypes that mean the same bytes are interchangeable:
+
+* fp8 data: ``torch.float8_e4m3fn`` or ``torch.uint8`` (raw E4M3FN bytes);
+* e8m0 scales: ``torch.float8_e8m0fnu`` or ``torch.uint8`` (raw exponent codes);
+* packed fp4: ``torch.uint8``, ``torch.int8`` or ``torch.float4_e2m1fn_x2``.
+
+Scales are always *multiplied* into the data (DeepSeek's ``weight_scale_inv``
+included, despite its name).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = [
+    "FP8_MAX",
+    "FP4_MAX",
+    "FP4_LUT",
+    "E8M0_NAN",
+    "E8M0_BIAS",
+    "DEFAULT_ACT_PEAK",
+    "QDQ_BLOCK",
+    "FP4_BLOCK",
+    "quantize_fp8",
+    "dequantize_fp8",
+    "quantize_fp4",
+    "dequantize_fp4",
+    "pack_fp4",
+    "unpack_fp4",
+    "decode_e8m0",
+    "qdq_fp8",
+    "fp8_scale_shape",
+    "check_fp8_weight",
+    "check_fp4_weight",
+    "check_finite",
+    "find_nan_codes",
+    "as_e8m0_codes",
+    "as_fp8_bytes",
+    "as_fp4_bytes",
+]
+
+FP8_MAX = 448.0  # OCP E4M3FN largest finite value
+FP4_MAX = 6.0  # e2m1 largest finite value
+E8M0_BIAS = 127
+E8M0_NAN = 255
+DEFAULT_ACT_PEAK = 224.0  # Trainium2 saturates e4m3 at 240; see SPEC.md §3
+QDQ_BLOCK = 32  # activation blocks are 1x32 along K
+FP4_BLOCK = 32  # MXFP4 scales cover 1x32 along K
+
+# e2m1 values by nibble (sign * 8 + code); also gpt-oss's table.
+FP4_LUT = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=torch.float32,
+)
+# Midpoints between consecutive e2m1 magnitudes; a tie goes to the even code.
+_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+_E8M0_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
+_FP8_DTYPES = (torch.uint8, torch.float8_e4m3fn)
+_FP4_DTYPES = (torch.uint8, torch.int8, torch.float4_e2m1fn_x2)
+
+
+# --------------------------------------------------------------------------- #
+# storage views
+# --------------------------------------------------------------------------- #
+
+
+def _dtype_error(name: str, tensor: torch.Tensor, allowed: Sequence[torch.dtype]) -> TypeError:
+    names = ", ".join(str(d) for d in allowed)
+    return TypeError(f"{name}: expected dtype in ({names}), got {tensor.dtype}")
+
+
+def as_e8m0_codes(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
+    """View e8m0 scales (``uint8`` or ``float8_e8m0fnu``) as their ``uint8`` codes."""
+    if scale.dtype not in _E8M0_DTYPES:
+        raise _dtype_error(name, scale, _E8M0_DTYPES)
+    return scale.view(torch.uint8)
+
+
+def as_fp8_bytes(data: torch.Tensor, name: str = "weight") -> torch.Tensor:
+    """View fp8 data (``float8_e4m3fn`` or ``uint8``) as ``uint8`` bytes."""
+    if data.dtype not in _FP8_DTYPES:
+        raise _dtype_error(name, data, _FP8_DTYPES)
+    return data.view(torch.uint8)
+
+
+def as_fp4_bytes(packed: torch.Tensor, name: str = "weight") -> torch.Tensor:
+    """View packed fp4 (``uint8``, ``int8`` or ``float4_e2m1fn_x2``) as ``uint8`` bytes."""
+    if packed.dtype not in _FP4_DTYPES:
+        raise _dtype_error(name, packed, _FP4_DTYPES)
+    return packed.view(torch.uint8)
+
+
+# --------------------------------------------------------------------------- #
+# decoding
+# --------------------------------------------------------------------------- #
+
+
+def decode_e8m0(codes: torch.Tensor) -> torch.Tensor:
+    """e8m0 codes (``uint8`` or ``float8_e8m0fnu``) -> float32 ``2**(c - 127)``; code 255 is NaN."""
+    # torch's own e8m0 conversion is exact for every code (2**-127 is an fp32 denormal).
+    return as_e8m0_codes(codes).view(torch.float8_e8m0fnu).to(torch.float32)
+
+
+def _scale_values(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
+    """Scales as float32 multipliers: e8m0 codes are decoded, float32 passes through."""
+    if scale.dtype == torch.float32:
+        return scale
+    if scale.dtype in _E8M0_DTYPES:
+        return decode_e8m0(scale)
+    raise _dtype_error(name, scale, (*_E8M0_DTYPES, torch.float32))
+
+
+def _expand_blocks(scale: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
+    """Broadcast a ``[ceil(N/bn), ceil(K/bk)]`` scale grid to ``[N, K]`` (partial blocks share)."""
+    bn, bk = block
+    n, k = shape
+    return scale.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+
+
+def dequantize_fp8(
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    block: Sequence[int] = (32, 32),
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Decode block-scaled fp8 weights.
+
+    Args:
+        data: ``[N, K]`` ``float8_e4m3fn`` (or its ``uint8`` bytes).
+        scale: ``[ceil(N/bn), ceil(K/bk)]`` e8m0 codes (``float8_e8m0fnu``/``uint8``)
+            or ``float32`` multipliers (DeepSeek-V3 ``weight_scale_inv``).
+        block: ``(bn, bk)``; ``(1, 32)`` is MXFP8.
+        dtype: output dtype. With e8m0 scales every finite value is exact in bf16.
+
+    Returns:
+        ``[N, K]`` tensor of ``dtype`` with ``e4m3(data[n, k]) * scale[n // bn, k // bk]``
+        (the product formed in float32).
+    """
+    block = _check_block(block)
+    check_fp8_weight(data, scale, block)
+    values = as_fp8_bytes(data).view(torch.float8_e4m3fn).to(torch.float32)
+    out = values * _expand_blocks(_scale_values(scale), block, tuple(data.shape))
+    return out.to(dtype)
+
+
+def unpack_fp4(packed: torch.Tensor, in_features: int | None = None) -> torch.Tensor:
+    """Split packed fp4 bytes ``[N, ceil(K/2)]`` into nibbles ``[N, K]`` (``uint8``, 0..15).
+
+    Element ``2j`` is the low nibble of byte ``j``, element ``2j + 1`` the high nibble.
+    """
+    b = as_fp4_bytes(packed)
+    nib = torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)
+    k = nib.shape[-1] if in_features is None else in_features
+    return nib[..., :k]
+
+
+def pack_fp4(nibbles: torch.Tensor) -> torch.Tensor:
+    """Pack nibbles ``[N, K]`` (``uint8``, 0..15) into ``[N, ceil(K/2)]`` bytes, low nibble first.
+
+    An odd ``K`` is padded with a zero nibble in the last byte's high half.
+    """
+    if nibbles.dtype != torch.uint8:
+        raise TypeError(f"nibbles: expected dtype torch.uint8, got {nibbles.dtype}")
+    if nibbles.shape[-1] % 2:
+        nibbles = torch.nn.functional.pad(nibbles, (0, 1))
+    pairs = nibbles.unflatten(-1, (-1, 2))
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def dequantize_fp4(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    in_features: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Decode OCP MXFP4 weights.
+
+    Args:
+        packed: ``[N, ceil(K/2)]`` bytes (``uint8``/``int8``/``float4_e2m1fn_x2``), two
+            e2m1 values per byte, element ``2j`` in the low nibble.
+        scale: ``[N, ceil(K/32)]`` e8m0 codes (``float8_e8m0fnu``/``uint8``).
+        in_features: ``K``; defaults to ``2 * packed.shape[1]``. Must be that or one less.
+        dtype: output dtype; every finite value is exact in bf16.
+
+    Returns:
+        ``[N, K]`` tensor of ``dtype`` with ``LUT[nibble] * 2**(scale - 127)``.
+    """
+    k = 2 * packed.shape[-1] if in_features is None else in_features
+    check_fp4_weight(packed, scale, k)
+    values = FP4_LUT.to(packed.device)[unpack_fp4(packed, k).long()]
+    out = values * _expand_blocks(decode_e8m0(scale), (1, FP4_BLOCK), (packed.shape[0], k))
+    return out.to(dtype)
+
+
+# --------------------------------------------------------------------------- #
+# quantizers (SPEC.md §2)
+# --------------------------------------------------------------------------- #
+
+
+def _ceil_log2(x: torch.Tensor) -> torch.Tensor:
+    """Exact ``ceil(log2(x))`` for positive float64 ``x``, as int32."""
+    mantissa, exponent = torch.frexp(x)  # x = m * 2**e with m in [0.5, 1)
+    return (exponent - (mantissa == 0.5).to(exponent.dtype)).to(torch.int32)
+
+
+def _floor_log2(x: torch.Tensor) -> torch.Tensor:
+    """Exact ``floor(log2(x))`` for positive float64 ``x``, as int32."""
+    _, exponent = torch.frexp(x)
+    return (exponent - 1).to(torch.int32)
+
+
+def _exp2i(exponent: torch.Tensor) -> torch.Tensor:
+    """Exact float32 ``2**e`` for int ``e`` in ``[-127, 127]`` (through the e8m0 decoder)."""
+    return decode_e8m0((exponent + E8M0_BIAS).to(torch.uint8))
+
+
+def _pad_to_blocks(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    bn, bk = block
+    n, k = w.shape
+    return torch.nn.functional.pad(w, (0, -k % bk, 0, -n % bn))
+
+
+def quantize_fp8(
+    w: torch.Tensor,
+    block: Sequence[int] = (32, 32),
+    scale_dtype: torch.dtype = torch.float8_e8m0fnu,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a float weight to block-scaled fp8 (SPEC.md §2).
+
+    Each ``bn x bk`` block gets the power-of-two scale ``2**ceil(log2(amax / 448))``
+    (never saturates; an all-zero block gets 1.0) and its elements are rounded
+    to nearest-even E4M3FN. A weight that is already representable round-trips
+    bit-exactly.
+
+    Args:
+        w: ``[N, K]`` float tensor, finite.
+        block: ``(bn, bk)``, e.g. ``(32, 32)``, ``(128, 128)`` or ``(1, 32)``.
+        scale_dtype: ``torch.float8_e8m0fnu`` or ``torch.uint8`` for e8m0 codes,
+            ``torch.float32`` for DeepSeek-V3-style multiplied scales (still powers of two).
+
+    Returns:
+        ``(data, scale)``: ``data`` ``[N, K]`` ``float8_e4m3fn``;
+        ``scale`` ``[ceil(N/bn), ceil(K/bk)]`` of ``scale_dtype``.
+    """
+    block = _check_block(block)
+    _check_float_matrix(w, "w")
+    if scale_dtype not in (*_E8M0_DTYPES, torch.float32):
+        raise TypeError(
+            f"scale_dtype: expected torch.float8_e8m0fnu, torch.uint8 or torch.float32, got {scale_dtype}"
+        )
+    check_finite(w, "w")
+    n, k = w.shape
+    bn, bk = block
+    w32 = w.to(torch.float32)
+    blocks = _pad_to_blocks(w32, block).unflatten(0, (-1, bn)).unflatten(2, (-1, bk))
+    amax = blocks.abs().amax(dim=(1, 3)).to(torch.float64)  # [N/bn, K/bk]
+    exponent = torch.where(
+        amax > 0, _ceil_log2(amax / FP8_MAX), torch.zeros_like(amax, dtype=torch.int32)
+    ).clamp(-E8M0_BIAS, E8M0_BIAS)
+    # w * 2**-e is exact in float32 (a power-of-two rescale that stays in range or
+    # underflows to a value that rounds to zero in e4m3 anyway).
+    inv = _exp2i(-exponent)
+    data = (w32 * _expand_blocks(inv, block, (n, k))).to(torch.float8_e4m3fn)
+    if scale_dtype == torch.float32:
+        scale = _exp2i(exponent)
+    else:
+        scale = (exponent + E8M0_BIAS).to(torch.uint8).view(scale_dtype)
+    return data, scale
+
+
+def _round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """Round float32 values already in ``[-6, 6]`` to e2m1 nibbles, ties to the even code."""
+    mag = v.abs()
+    code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
+    for i, mid in enumerate(_FP4_MIDPOINTS):
+        # At a midpoint between code i and i+1 the even one wins.
+        code += (mag > mid) if i % 2 == 0 else (mag >= mid)
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def quantize_fp4(w: torch.Tensor, rounding: str = "ceil") -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a float weight to OCP MXFP4 (1x32 blocks, e8m0 scales; SPEC.md §2).
+
+    Args:
+        w: ``[N, K]`` float tensor, finite.
+        rounding: ``"ceil"`` (default): ``scale = 2**ceil(log2(amax / 6))``, never clips.
+            ``"floor"``: the OCP rule ``scale = 2**(floor(log2(amax)) - 2)``;
+            elements saturate at +-6.
+
+    Returns:
+        ``(packed, scale)``: ``packed`` ``[N, ceil(K/2)]`` ``uint8`` (element ``2j`` in the
+        low nibble of byte ``j``; an odd ``K`` leaves a zero high nibble at the end);
+        ``scale`` ``[N, ceil(K/32)]`` ``float8_e8m0fnu``. All-zero blocks get scale 1.0.
+    """
+    if rounding not in ("ceil", "floor"):
+        raise ValueError(f"rounding: expected 'ceil' or 'floor', got {rounding!r}")
+    _check_float_matrix(w, "w")
+    check_finite(w, "w")
+    n, k = w.shape
+    w32 = w.to(torch.float32)
+    blocks = _pad_to_blocks(w32, (1, FP4_BLOCK)).unflatten(1, (-1, FP4_BLOCK))
+    amax = blocks.abs().amax(dim=2).to(torch.float64)  # [N, K/32]
+    positive = amax > 0
+    safe = torch.where(positive, amax, torch.ones_like(amax))
+    if rounding == "ceil":
+        exponent = _ceil_log2(safe / FP4_MAX)
+    else:
+        exponent = _floor_log2(safe) - 2
+    exponent = torch.where(positive, exponent, torch.zeros_like(exponent))
+    exponent = exponent.clamp(-E8M0_BIAS, E8M0_BIAS)
+    inv = _exp2i(-exponent)
+    v = (w32 * _expand_blocks(inv, (1, FP4_BLOCK), (n, k))).clamp(-FP4_MAX, FP4_MAX)
+    packed = pack_fp4(_round_to_e2m1(v))
+    scale = (exponent + E8M0_BIAS).to(torch.uint8).view(torch.float8_e8m0fnu)
+    return packed, scale
+
+
+# --------------------------------------------------------------------------- #
+# activation quant-dequant (SPEC.md §3)
+# --------------------------------------------------------------------------- #
+
+
+def qdq_fp8(x: torch.Tensor, peak: float = DEFAULT_ACT_PEAK) -> torch.Tensor:
+    """Round-trip activations through fp8 E4M3FN in 1x32 blocks with power-of-two scales.
+
+    For each row and each 32-wide block along the last dim (a partial last block
+    is zero-padded): ``amax = max(max|bf16(x)|, 1e-4)``, ``t = amax * fp32(1/peak)``,
+    ``s = 2**ceil(log2(t))`` (exact, from t's bits), ``q = e4m3fn_RNE(bf16(x) / s)``,
+    result ``bf16(q * s)``.
+
+    Args:
+        x: ``[..., K]`` float tensor (any float dtype).
+        peak: largest magnitude a block may use; 224 (the default) matches
+            Trainium2's fp8, 448 is DeepSeek's ``act_quant`` rule.
+
+    Returns:
+        ``[..., K]`` ``bfloat16``.
+    """
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"x: expected a floating-point dtype, got {x.dtype}")
+    if not 0.0 < peak <= FP8_MAX:
+        raise ValueError(f"peak: expected 0 < peak <= {FP8_MAX}, got {peak}")
+    k = x.shape[-1]
+    xb = x.to(torch.bfloat16).to(torch.float32)
+    blocks = torch.nn.functional.pad(xb, (0, -k % QDQ_BLOCK)).unflatten(-1, (-1, QDQ_BLOCK))
+    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4)
+    recip_peak = torch.tensor(1.0 / peak, dtype=torch.float32)  # fp32(1/peak), rounded once
+    t = amax * recip_peak
+    # ceil(log2 t) from the bits: bump the exponent unless the mantissa is zero.
+    # t >= 1e-4 / 448 is a normal float, so exponent - 127 is exact.
+    bits = t.view(torch.int32)
+    biased = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    scale = (biased << 23).view(torch.float32)
+    recip = ((254 - biased) << 23).view(torch.float32)
+    q = (blocks * recip).to(torch.float8_e4m3fn)
+    out = (q.to(torch.float32) * scale).to(torch.bfloat16)
+    return out.flatten(-2)[..., :k]
+
+
+# --------------------------------------------------------------------------- #
+# validation
+# --------------------------------------------------------------------------- #
+
+
+def _check_block(block: Sequence[int]) -> tuple[int, int]:
+    if len(block) != 2 or any(int(b) < 1 for b in block):
+        raise ValueError(f"block: expected two positive ints (bn, bk), got {tuple(block)}")
+    return int(block[0]), int(block[1])
+
+
+def _check_float_matrix(w: torch.Tensor, name: str) -> None:
+    if not w.dtype.is_floating_point or w.dtype.itemsize == 1:
+        raise TypeError(f"{name}: expected a float16/bfloat16/float32/float64 tensor, got {w.dtype}")
+    if w.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D [N, K] tensor, got shape {tuple(w.shape)}")
+
+
+def fp8_scale_shape(shape: Sequence[int], block: Sequence[int]) -> tuple[int, int]:
+    """``[ceil(N/bn), ceil(K/bk)]`` for an ``[N, K]`` weight."""
+    n, k = shape
+    bn, bk = block
+    return -(-n // bn), -(-k // bk)
+
+
+def check_fp8_weight(
+    data: torch.Tensor, scale: torch.Tensor, block: Sequence[int], name: str = "weight"
+) -> None:
+    """Raise unless ``data``/``scale`` form a valid block-scaled fp8 weight (dtypes and shapes).
+
+    Does not scan values; use :func:`find_nan_codes` for that.
+    """
+    block = _check_block(block)
+    as_fp8_bytes(data, name)
+    if scale.dtype not in (*_E8M0_DTYPES, torch.float32):
+        raise _dtype_error(f"{name}_scale", scale, (*_E8M0_DTYPES, torch.float32))
+    if data.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D [N, K] tensor, got shape {tuple(data.shape)}")
+    expected = fp8_scale_shape(data.shape, block)
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"{name}_scale: expected shape {list(expected)} for a {list(data.shape)} weight "
+            f"with block {list(block)}, got {list(scale.shape)}"
+        )
+
+
+def check_fp4_weight(
+    packed: torch.Tensor, scale: torch.Tensor, in_features: int, name: str = "weight"
+) -> None:
+    """Raise unless ``packed``/``scale`` form a valid MXFP4 weight with ``in_features`` columns."""
+    as_fp4_bytes(packed, name)
+    as_e8m0_codes(scale, f"{name}_scale")
+    if packed.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D [N, ceil(K/2)] tensor, got shape {tuple(packed.shape)}")
+    n = packed.shape[0]
+    if -(-in_features // 2) != packed.shape[1]:
+        raise ValueError(
+            f"{name}: expected shape [N, {-(-in_features // 2)}] (ceil(K/2)) for K={in_features}, "
+            f"got {list(packed.shape)}"
+        )
+    expected = (n, -(-in_features // FP4_BLOCK))
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"{name}_scale: expected shape {list(expected)} for K={in_features} "
+            f"(one e8m0 code per 1x32 block), got {list(scale.shape)}"
+        )
+
+
+def check_finite(x: torch.Tensor, name: str) -> None:
+    """Raise ``ValueError`` naming the first non-finite element of ``x``."""
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name}: expected finite values, got {x[index].item()} at index {list(index)}")
+
+
+def find_nan_codes(
+    data: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    *,
+    name: str = "weight",
+    fmt: str = "fp8",
+    in_features: int | None = None,
+) -> None:
+    """Raise ``ValueError`` if a weight holds NaN codes (SPEC.md §1: corruption, not a weight).
+
+    Checks e8m0 scale codes (255), fp8 data bytes (0x7F/0xFF) when ``fmt="fp8"``,
+    and for ``fmt="fp4"`` with odd ``in_features`` the padding nibble (must be 0).
+    The message names the tensor and the first bad index.
+    """
+    if scale is not None and scale.dtype in _E8M0_DTYPES:
+        _raise_first(as_e8m0_codes(scale) == E8M0_NAN, f"{name}_scale", "NaN e8m0 code 255")
+    if scale is not None and scale.dtype == torch.float32:
+        _raise_first(~torch.isfinite(scale) | (scale <= 0), f"{name}_scale", "a non-finite or non-positive scale")
+    if data is None:
+        return
+    if fmt == "fp8":
+        _raise_first((as_fp8_bytes(data, name) & 0x7F) == 0x7F, name, "NaN e4m3 code 0x7F/0xFF")
+    elif fmt == "fp4":
+        if in_features is not None and in_features % 2:
+            pad = as_fp4_bytes(data, name)[:, -1:] >> 4
+            _raise_first(pad != 0, name, f"a non-zero padding nibble (K={in_features} is odd)")
+    else:
+        raise ValueError(f"fmt: expected 'fp8' or 'fp4', got {fmt!r}")
+
+
+def _raise_first(bad: torch.Tensor, name: str, what: str) -> None:
+    if bool(bad.any()):
+        index = [int(i) for i in bad.nonzero()[0]]
+        raise ValueError(f"{name}: found {what} at index {index}; the tensor is corrupt")
+

@@ -1,0 +1,229 @@
+"""The ``torch_bq::`` linear and qdq ops: schema, fake implementation, reference body.
+
+Each op is a ``torch.library.custom_op`` whose default body is the pure-torch
+reference (:mod:`torch_bq.reference`); faster kernels register per device
+elsewhere in :mod:`torch_bq.ops`. The public wrappers below give the ops their
+keyword defaults and docstrings; ``torch.compile`` traces through them and keeps
+each op as one node.
+"""
+
+from typing import Optional, Sequence
+
+import torch
+
+from .. import formats
+from ..reference import linear as ref
+
+__all__ = ["fp8_linear", "fp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8"]
+
+
+def _out_like(x: torch.Tensor, n, out_dtype: torch.dtype) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
+
+
+# --------------------------------------------------------------------------- #
+# op definitions
+# --------------------------------------------------------------------------- #
+
+
+@torch.library.custom_op("torch_bq::fp8_linear", mutates_args=())
+def _fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    block: Sequence[int],
+    act_quant: bool,
+    act_peak: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return ref.fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
+
+
+@_fp8_linear.register_fake
+def _(x, weight, scale, bias, block, act_quant, act_peak, out_dtype):
+    ref.check_fp8_linear_args(x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
+    return _out_like(x, weight.shape[0], out_dtype)
+
+
+@torch.library.custom_op("torch_bq::fp4_linear", mutates_args=())
+def _fp4_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    act_quant: bool,
+    act_peak: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return ref.fp4_linear(x, weight, scale, bias, act_quant, act_peak, out_dtype)
+
+
+@_fp4_linear.register_fake
+def _(x, weight, scale, bias, act_quant, act_peak, out_dtype):
+    ref.check_fp4_linear_args(x, weight, scale, bias, act_quant, act_peak, out_dtype)
+    return _out_like(x, weight.shape[0], out_dtype)
+
+
+@torch.library.custom_op("torch_bq::bf16_linear", mutates_args=())
+def _bf16_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype
+) -> torch.Tensor:
+    return ref.bf16_linear(x, weight, bias, out_dtype)
+
+
+@_bf16_linear.register_fake
+def _(x, weight, bias, out_dtype):
+    ref.check_dense_linear_args(x, weight, bias, out_dtype, torch.bfloat16)
+    return _out_like(x, weight.shape[0], out_dtype)
+
+
+@torch.library.custom_op("torch_bq::fp32w_linear", mutates_args=())
+def _fp32w_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype
+) -> torch.Tensor:
+    return ref.fp32w_linear(x, weight, bias, out_dtype)
+
+
+@_fp32w_linear.register_fake
+def _(x, weight, bias, out_dtype):
+    ref.check_dense_linear_args(x, weight, bias, out_dtype, torch.float32)
+    return _out_like(x, weight.shape[0], out_dtype)
+
+
+@torch.library.custom_op("torch_bq::qdq_fp8", mutates_args=())
+def _qdq_fp8(x: torch.Tensor, peak: float) -> torch.Tensor:
+    return formats.qdq_fp8(x, peak)
+
+
+@_qdq_fp8.register_fake
+def _(x, peak):
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"x: expected a floating-point dtype, got {x.dtype}")
+    return torch.empty_like(x, dtype=torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- #
+# public wrappers
+# --------------------------------------------------------------------------- #
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    block: Sequence[int] = (32, 32),
+    act_quant: bool = True,
+    act_peak: float = formats.DEFAULT_ACT_PEAK,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Linear layer with a block-scaled fp8 weight (SPEC.md §4).
+
+    ``y = round_out(A @ W.T + bias)`` with ``A = qdq_fp8(x, act_peak)`` if
+    ``act_quant`` else ``bf16(x)``, ``W[n, k] = e4m3(weight[n, k]) * scale[n // bn, k // bk]``,
+    products and sums in float32.
+
+    Args:
+        x: ``[..., K]`` any float dtype; the leading dims may be empty or 0.
+        weight: ``[N, K]`` ``float8_e4m3fn`` (or ``uint8`` bytes).
+        scale: ``[ceil(N/bn), ceil(K/bk)]`` e8m0 (``float8_e8m0fnu``/``uint8``) or float32,
+            always multiplied.
+        bias: ``[N]`` any float dtype, added in float32, or ``None``.
+        block: ``(bn, bk)``: ``(32, 32)``, ``(128, 128)``, ``(1, 32)`` or any other.
+        act_quant: round-trip ``x`` through fp8 in 1x32 blocks first.
+        act_peak: the qdq peak, 224 (Trainium2-compatible) or up to 448.
+        out_dtype: ``bfloat16`` (default), ``float16`` or ``float32``.
+
+    Returns:
+        ``[..., N]`` of ``out_dtype``.
+    """
+    return torch.ops.torch_bq.fp8_linear(
+        x, weight, scale, bias, [int(b) for b in block], act_quant, float(act_peak), out_dtype
+    )
+
+
+def fp4_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    act_quant: bool = True,
+    act_peak: float = formats.DEFAULT_ACT_PEAK,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Linear layer with an OCP MXFP4 weight (W4A8 by default; SPEC.md §4).
+
+    Args:
+        x: ``[..., K]`` any float dtype; ``K`` may be odd.
+        weight: ``[N, ceil(K/2)]`` packed e2m1 (``uint8``/``int8``/``float4_e2m1fn_x2``),
+            element ``2j`` in the low nibble of byte ``j``.
+        scale: ``[N, ceil(K/32)]`` e8m0 codes (``float8_e8m0fnu``/``uint8``).
+        bias: ``[N]`` any float dtype, or ``None``.
+        act_quant: round-trip ``x`` through fp8 first (default ``True``).
+        act_peak: the qdq peak.
+        out_dtype: ``bfloat16`` (default), ``float16`` or ``float32``.
+
+    Returns:
+        ``[..., N]`` of ``out_dtype``.
+    """
+    return torch.ops.torch_bq.fp4_linear(x, weight, scale, bias, act_quant, float(act_peak), out_dtype)
+
+
+def bf16_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Linear layer with a bf16 weight: ``round_out(bf16(x) @ weight.T + bias)`` in float32.
+
+    Args:
+        x: ``[..., K]`` any float dtype (rounded to bf16 first; never quantized).
+        weight: ``[N, K]`` ``bfloat16``.
+        bias: ``[N]`` any float dtype, or ``None``.
+        out_dtype: ``bfloat16`` (default), ``float16`` or ``float32``.
+
+    Returns:
+        ``[..., N]`` of ``out_dtype``.
+    """
+    return torch.ops.torch_bq.bf16_linear(x, weight, bias, out_dtype)
+
+
+def fp32w_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Linear layer with a float32 weight narrowed to bf16 inside the op.
+
+    Same math as :func:`bf16_linear` with ``W = bf16(weight)``.
+
+    Args:
+        x: ``[..., K]`` any float dtype.
+        weight: ``[N, K]`` ``float32``.
+        bias: ``[N]`` any float dtype, or ``None``.
+        out_dtype: ``bfloat16`` (default), ``float16`` or ``float32``.
+
+    Returns:
+        ``[..., N]`` of ``out_dtype``.
+    """
+    return torch.ops.torch_bq.fp32w_linear(x, weight, bias, out_dtype)
+
+
+def qdq_fp8(x: torch.Tensor, peak: float = formats.DEFAULT_ACT_PEAK) -> torch.Tensor:
+    """The activation round trip of SPEC.md §3 as an op; see :func:`torch_bq.formats.qdq_fp8`.
+
+    Args:
+        x: ``[..., K]`` any float dtype.
+        peak: the largest magnitude a 1x32 block may use (224 default, up to 448).
+
+    Returns:
+        ``[..., K]`` ``bfloat16``.
+    """
+    return torch.ops.torch_bq.qdq_fp8(x, float(peak))

@@ -1,0 +1,9 @@
+"""The numerical contract (SPEC.md) as plain torch code: slow, obvious, exact.
+
+These are the default bodies of the ``torch_bq::`` ops; every faster kernel is
+tested against them.
+"""
+
+from .linear import bf16_linear, fp4_linear, fp8_linear, fp32w_linear
+
+__all__ = ["fp8_linear", "fp4_linear", "bf16_linear", "fp32w_linear"]
