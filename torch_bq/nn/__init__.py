@@ -3,7 +3,9 @@
 * :class:`FP8Linear`, :class:`FP4Linear`, :class:`BF16Linear` — ``nn.Linear`` replacements
   (:mod:`torch_bq.nn.linear`);
 * :class:`CheckpointReader`, :func:`resolve_linear` and friends — the one loader for every
-  supported checkpoint layout (:mod:`torch_bq.nn.checkpoint`).
+  supported checkpoint layout (:mod:`torch_bq.nn.checkpoint`);
+* :func:`quantize_`, :func:`load_quantized_`, :func:`convert_checkpoint` — whole models and
+  checkpoints (:mod:`torch_bq.nn.convert`).
 """
 
 from .checkpoint import (
@@ -17,6 +19,7 @@ from .checkpoint import (
     read_linear,
     resolve_linear,
 )
+from .convert import LoadReport, QuantizeReport, convert_checkpoint, load_quantized_, quantize_
 from .linear import BF16Linear, FP4Linear, FP8Linear
 
 __all__ = [
@@ -32,4 +35,9 @@ __all__ = [
     "detect_linear",
     "read_linear",
     "resolve_linear",
+    "quantize_",
+    "load_quantized_",
+    "convert_checkpoint",
+    "QuantizeReport",
+    "LoadReport",
 ]
