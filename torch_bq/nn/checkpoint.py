@@ -720,7 +720,11 @@ def read_linear(source: Source, layout: LinearLayout) -> LinearWeights:
             try:
                 scan_nan_codes(weight, scale, name=layout.weight_name, fmt=fmt_name, in_features=layout.in_features)
             except ValueError as e:
-                raise CheckpointError(str(e)) from None
+                # formats names a scale "<weight>_scale"; say the checkpoint's own name instead
+                msg = str(e)
+                if msg.startswith(f"{layout.weight_name}_scale:"):
+                    msg = layout.scale_name + msg[len(layout.weight_name) + len("_scale"):]
+                raise CheckpointError(msg) from None
         return LinearWeights(layout, weight, scale, bias)
 
 
