@@ -395,3 +395,65 @@ def test_reader_reads_headers_only_until_asked(tmp_path):
     assert reader.nbytes("proj.weight") == 64 * 64
     with pytest.raises(MissingTensorError, match=r"'proj.wieght' is not in .*closest names: \['proj.weight'"):
         reader.get("proj.wieght")
+
+
+# --------------------------------------------------------------------------- #
+# tensor-parallel shards and packed-F4 files
+# --------------------------------------------------------------------------- #
+
+
+def test_fp8_row_and_column_shards_tile_the_weight(tmp_path):
+    t = fx.deepseek_v3(tmp_path / "ds", prefix="p", n=300, k=384)
+    full = formats.dequantize_fp8(t["p.weight"], t["p.weight_scale_inv"], (128, 128), torch.float32)
+    row_parts = [FP8Linear.from_checkpoint(tmp_path / "ds", "p", rows=r) for r in ((0, 128), (128, 256), (256, 300))]
+    assert [m.out_features for m in row_parts] == [128, 128, 44]
+    assert torch.equal(torch.cat([m.dequantize(torch.float32).weight for m in row_parts]), full)
+    col_parts = [FP8Linear.from_checkpoint(tmp_path / "ds", "p", cols=c) for c in ((0, 128), (128, 384))]
+    assert torch.equal(torch.cat([m.dequantize(torch.float32).weight for m in col_parts], 1), full)
+    # row-parallel: partial outputs of the column shards sum to the full layer (up to fp32 order)
+    x = torch.randn(2, 384)
+    y = sum(m(x[:, slice(*c)].contiguous()).double() for m, c in zip(col_parts, ((0, 128), (128, 384))))
+    assert_linear_close(y.float(), torch.cat([formats.qdq_fp8(x[:, :128]), formats.qdq_fp8(x[:, 128:])], 1).float(), full)
+
+
+def test_gpt_oss_expert_shard(tmp_path):
+    path = tmp_path / "g.safetensors"
+    t = fx.gpt_oss(path, prefix="e", experts=3, n=64, k=128)
+    m = FP4Linear.from_checkpoint(path, "e", expert=1, rows=(16, 48), cols=(32, 96))
+    packed = t["e_blocks"][1].reshape(64, 64)[16:48, 16:48]
+    assert torch.equal(m.weight, packed) and m.in_features == 64 and m.out_features == 32
+    assert torch.equal(m.weight_scale.view(torch.uint8), t["e_scales"][1, 16:48, 1:3])
+    assert torch.equal(m.bias, t["e_bias"][1, 16:48])
+
+
+def test_v4_fp4_column_shard_and_dense_shard():
+    p, s = formats.quantize_fp4(torch.randn(8, 96))
+    m = FP4Linear.from_checkpoint({"x.weight": p.view(torch.int8), "x.scale": s}, "x", cols=(32, 96))
+    assert torch.equal(m.weight, p[:, 16:48]) and torch.equal(_bytes(m.weight_scale), _bytes(s[:, 1:3]))
+    w = torch.randn(10, 20)
+    d = BF16Linear.from_checkpoint({"x.weight": w, "x.bias": torch.arange(10.0)}, "x", rows=(2, 5), cols=(4, 9))
+    assert torch.equal(d.weight, w[2:5, 4:9]) and torch.equal(d.bias, torch.arange(2.0, 5.0))
+
+
+@pytest.mark.parametrize(
+    "rows, cols, match",
+    [((0, 100), None, r"rows=\(0, 100\) must start and end on multiples of the 128-wide scale block \(or end at 300\)"),
+     (None, (64, 384), r"cols=\(64, 384\) must start and end"),
+     ((0, 0), None, r"rows=\(0, 0\) is not a non-empty range within \[0, 300\]"),
+     (None, (0, 400), r"cols=\(0, 400\) is not a non-empty range")],
+)
+def test_shard_errors(tmp_path, rows, cols, match):
+    fx.deepseek_v3(tmp_path / "ds", prefix="p", n=300, k=384)
+    with pytest.raises(CheckpointError, match=match):
+        FP8Linear.from_checkpoint(tmp_path / "ds", "p", rows=rows, cols=cols)
+
+
+def test_packed_f4_file_loads(tmp_path):
+    # torch's float4_e2m1fn_x2 is saved as safetensors "F4" (shape counted in e2m1 elements)
+    path = tmp_path / "f4.safetensors"
+    t = fx.deepseek_v31(path, fmt="fp4", data_dtype=torch.float4_e2m1fn_x2, n=16, k=64)
+    reader = CheckpointReader(path)
+    assert reader.dtype("layers.0.ffn.w2.weight") == torch.float4_e2m1fn_x2
+    assert reader.shape("layers.0.ffn.w2.weight") == (16, 32)
+    m = FP4Linear.from_checkpoint(reader, "layers.0.ffn.w2")
+    assert torch.equal(m.weight, t["layers.0.ffn.w2.weight"].view(torch.uint8))

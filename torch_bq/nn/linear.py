@@ -320,7 +320,7 @@ class FP8Linear(_QuantizedLinear):
         """Load ``prefix`` from a checkpoint; see :func:`torch_bq.nn.checkpoint.load_linear`.
 
         ``options`` are ``block`` (when the checkpoint cannot say), ``expert``,
-        ``act_quant`` and ``act_peak``.
+        ``rows``/``cols`` (a tensor-parallel shard), ``act_quant`` and ``act_peak``.
         """
         from .checkpoint import load_linear
 
@@ -484,7 +484,7 @@ class FP4Linear(_QuantizedLinear):
         """Load ``prefix`` from a checkpoint; see :func:`torch_bq.nn.checkpoint.load_linear`.
 
         ``options`` are ``expert`` (gpt-oss stacked experts), ``in_features``,
-        ``act_quant`` and ``act_peak``.
+        ``rows``/``cols`` (a tensor-parallel shard), ``act_quant`` and ``act_peak``.
         """
         from .checkpoint import load_linear
 
