@@ -578,13 +578,20 @@ class BF16Linear(_QuantizedLinear):
         return module
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, keep_fp32: bool = False) -> "BF16Linear":
-        """Wrap an ``nn.Linear``: its weight rounded to bf16, or kept as float32 with ``keep_fp32``."""
+    def from_linear(cls, linear: nn.Linear, *, keep_fp32: Optional[bool] = None) -> "BF16Linear":
+        """Wrap an ``nn.Linear``'s weight (copied).
+
+        By default a float32 (or float16, widened exactly) weight stays float32 and
+        runs through ``fp32w_linear``; a bf16 weight runs through ``bf16_linear``.
+        ``keep_fp32=False`` rounds to bf16 up front (half the bytes, same results);
+        ``keep_fp32=True`` forces float32 storage.
+        """
         _check_linear(linear)
-        w = linear.weight.detach()
-        w = w.to(torch.float32) if keep_fp32 else w.to(torch.bfloat16)
+        if keep_fp32 is None:
+            keep_fp32 = linear.weight.dtype != torch.bfloat16
+        w = linear.weight.detach().to(torch.float32 if keep_fp32 else torch.bfloat16, copy=True)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls.from_quantized(w.clone() if w is linear.weight else w, bias)
+        return cls.from_quantized(w, bias)
 
     @classmethod
     def from_checkpoint(cls, source, prefix: str, *, device="cpu", **options: Any) -> "BF16Linear":
