@@ -434,3 +434,10 @@ def test_lora_style_adapter_trains_on_top():
     loss.backward()
     assert lora_a.weight.grad is not None and lora_b.weight.grad is not None
     assert x.grad is not None and bool(x.grad.abs().sum() > 0)
+
+
+def test_state_dict_errors_name_the_submodule():
+    model = nn.Sequential(nn.Identity(), FP8Linear(64, 64))
+    sd = {"1.weight": torch.zeros(64, 64, dtype=torch.float8_e4m3fn), "1.weight_scale": torch.zeros(1, 1, dtype=torch.uint8)}
+    with pytest.raises(RuntimeError, match=r"1.weight_scale: expected shape \[2, 2\]"):
+        model.load_state_dict(sd)

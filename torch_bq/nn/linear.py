@@ -113,7 +113,7 @@ class _QuantizedLinear(nn.Module):
                     continue
                 if prefix + canonical in state_dict or len(present) > 1:
                     names = [prefix + n for n in (canonical, *present) if prefix + n in state_dict]
-                    raise ValueError(f"{prefix}{canonical}: the state dict holds more than one name for it: {names}")
+                    raise ValueError(f"{canonical}: the state dict holds more than one name for it: {names}")
                 state_dict[prefix + canonical] = state_dict.pop(prefix + present[0])
             incoming = {}
             for name in (*self._stored, "bias"):
@@ -122,8 +122,9 @@ class _QuantizedLinear(nn.Module):
                     state_dict[prefix + name] = incoming[name]
             self._validate_loaded(incoming, assign)
         except (ValueError, TypeError) as e:
-            # Nothing of this module is assigned when its state is invalid.
-            error_msgs.append(str(e))
+            # Nothing of this module is assigned when its state is invalid; messages
+            # start with the local tensor name, so the prefix makes them global.
+            error_msgs.append(f"{prefix}{e}")
             return
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
