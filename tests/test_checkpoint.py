@@ -1,6 +1,7 @@
 """from_checkpoint and the loader: every layout from a generated fixture, every error path."""
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -162,6 +163,20 @@ def test_state_dict_file_loads_back(tmp_path):
     module = FP8Linear.from_checkpoint(tmp_path / "m.safetensors", "head")
     x = torch.randn(2, 64)
     assert module.block == (1, 32) and torch.equal(module(x), src(x))
+
+
+def test_sharded_index_opens_only_the_shards_it_needs(tmp_path):
+    tensors = {}
+    for i in range(4):
+        d, s = formats.quantize_fp8(torch.randn(32, 32), (32, 32))
+        tensors[f"l{i}.weight"], tensors[f"l{i}.weight_scale"] = d, s
+    fx.sharded(tmp_path / "sh", tensors, shards=4)  # round-robin: l{i}.* spread over two shards
+    reader = CheckpointReader(tmp_path / "sh")
+    assert reader._handles == {} and len(reader.keys()) == 8
+    FP8Linear.from_checkpoint(reader, "l0")
+    assert sorted(Path(f).name for f in reader._handles) == sorted(
+        {json.loads((tmp_path / "sh" / "model.safetensors.index.json").read_text())["weight_map"][n]
+         for n in ("l0.weight", "l0.weight_scale")})
 
 
 def test_sharded_index_directory(tmp_path):
@@ -382,8 +397,9 @@ def test_index_errors(tmp_path):
         CheckpointReader(tmp_path / "sh")
     content["weight_map"]["x.weight"] = content["weight_map"]["x.weight_scale"]
     index.write_text(json.dumps(content))
+    reader = CheckpointReader(tmp_path / "sh")  # shard headers are read on first use
     with pytest.raises(CheckpointError, match="maps 'x.weight' to .* but that shard does not hold it"):
-        CheckpointReader(tmp_path / "sh")
+        FP8Linear.from_checkpoint(reader, "x")
     index.write_text("{")
     with pytest.raises(CheckpointError, match="not a safetensors index"):
         CheckpointReader(tmp_path / "sh")

@@ -124,8 +124,9 @@ class CheckpointReader:
             files, optional ``config.json``), or a mapping ``name -> Tensor``.
 
     Files are opened on first use and kept open until :meth:`close` (or the end
-    of a ``with`` block). Headers are read when the reader is built, so
-    :meth:`keys`, :meth:`shape` and :meth:`dtype` never touch tensor data.
+    of a ``with`` block). :meth:`keys`, :meth:`shape` and :meth:`dtype` read headers
+    only, never tensor data; with a sharded index, a shard's header is read the
+    first time one of its tensors is asked about.
     """
 
     def __init__(self, source: Union[str, os.PathLike, Mapping[str, torch.Tensor]]) -> None:
@@ -134,6 +135,8 @@ class CheckpointReader:
         self._tensors: Optional[Mapping[str, torch.Tensor]] = None
         self._where: dict[str, str] = {}  # tensor name -> file
         self._headers: dict[str, tuple[str, list[int]]] = {}  # name -> (dtype string, shape)
+        self._pending: set[str] = set()  # indexed shards whose headers are not read yet
+        self._index: Optional[Path] = None
         self.root: Optional[Path] = None  # where config.json is looked for
         self.directory: Optional[Path] = None  # set when the source is a directory
         if isinstance(source, Mapping):
@@ -165,18 +168,18 @@ class CheckpointReader:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError(f"weight_map is a {type(weight_map).__name__}")
             except (ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index (expected a JSON 'weight_map'): {e}") from e
-            files = sorted(set(weight_map.values()))
-            for name in files:
+            for name in sorted(set(weight_map.values())):
                 if not (root / name).is_file():
                     raise CheckpointError(f"{index}: names shard {name!r}, which is not in {root}")
-                self._add_file(root / name)
-            for tensor, file in weight_map.items():
-                if self._where.get(tensor) != str(root / file):
-                    raise CheckpointError(
-                        f"{index}: maps {tensor!r} to {file!r}, but that shard does not hold it"
-                    )
+            # Shard headers are read when a tensor of that shard is first asked about,
+            # so loading one layer of a 160-shard checkpoint opens only its shards.
+            self._index = index
+            self._where = {tensor: str(root / file) for tensor, file in weight_map.items()}
+            self._pending = set(self._where.values())
             return
         files = sorted(root.glob("*.safetensors"))
         if not files:
@@ -192,6 +195,20 @@ class CheckpointReader:
             self._where[name] = str(path)
             sl = handle.get_slice(name)
             self._headers[name] = (sl.get_dtype(), list(sl.get_shape()))
+
+    def _header(self, name: str) -> tuple[str, list[int]]:
+        """``(safetensors dtype, shape)`` of ``name``, reading its shard's header on first use."""
+        file = self._where[name]
+        if file in self._pending:
+            handle = self._open(Path(file))
+            for key in handle.keys():
+                if self._where.get(key) == file:
+                    sl = handle.get_slice(key)
+                    self._headers[key] = (sl.get_dtype(), list(sl.get_shape()))
+            self._pending.discard(file)
+        if name not in self._headers:
+            raise CheckpointError(f"{self._index}: maps {name!r} to {Path(file).name!r}, but that shard does not hold it")
+        return self._headers[name]
 
     def _open(self, path: Path):
         key = str(path)
@@ -233,7 +250,7 @@ class CheckpointReader:
         self._require(name)
         if self._tensors is not None:
             return tuple(self._tensors[name].shape)
-        dtype, shape = self._headers[name]
+        dtype, shape = self._header(name)
         if dtype == "F4":  # the header counts e2m1 elements, torch counts packed pairs
             shape = [*shape[:-1], shape[-1] // 2]
         return tuple(shape)
@@ -243,7 +260,7 @@ class CheckpointReader:
         self._require(name)
         if self._tensors is not None:
             return self._tensors[name].dtype
-        code = self._headers[name][0]
+        code = self._header(name)[0]
         if code not in _ST_DTYPES:
             raise CheckpointError(f"{name}: safetensors dtype {code} has no torch equivalent here")
         return _ST_DTYPES[code]
@@ -289,6 +306,7 @@ class CheckpointReader:
         self._require(name)
         if self._tensors is not None:
             return self._tensors[name]
+        self._header(name)
         try:
             return self._open(Path(self._where[name])).get_tensor(name)
         except Exception as e:
@@ -303,7 +321,7 @@ class CheckpointReader:
         self._require(name)
         if self._tensors is not None:
             return self._tensors[name]
-        if self._headers[name][0] == "F4":
+        if self._header(name)[0] == "F4":
             return self.get(name)
         return _SafeSlice(self, name, self._open(Path(self._where[name])).get_slice(name))
 
