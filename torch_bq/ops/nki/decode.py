@@ -10,7 +10,9 @@ a uint16 lane; ``((h & 0x7F00) >> 4) | (h & 0x8000)`` read as bf16 is
 ``e4m3(b) * 2**-120`` for normal *and* subnormal codes (subnormals land on bf16
 denormals, so the engine must not flush them). The e8m0 code ``c`` becomes the
 bf16 factor ``2**(c - 7)`` with bits ``(c + 120) << 7``; the product is exactly
-``e4m3(b) * 2**(c - 127)``. Valid for ``c <= 134`` (scales up to ``2**7``).
+``e4m3(b) * 2**(c - 127)``. Exact for every code ``3 <= c <= 134`` (scales
+``2**-124 .. 2**7``): above 134 the factor leaves bf16's exponent range, below 3
+the smallest e4m3 subnormals fall under bf16's smallest denormal ``2**-133``.
 
 **e2m1 -> bf16**: nibble ``v`` times ``0x1040`` masked with ``0x81C0`` puts the
 sign in bit 15, the exponent in bits 7-8 and the mantissa in bit 6: as bf16 that
@@ -18,7 +20,8 @@ is ``e2m1(v) * 2**-126``. The ``2**126`` is split so every factor stays in bf16
 range: the weight side gets ``2**(c - 1 - FP4_POST_EXP)`` (bits
 ``(c + 126 - FP4_POST_EXP) << 7``) and the GEMM multiplies its fp32 PSUM result
 by ``2**FP4_POST_EXP`` once. With ``FP4_POST_EXP = 32`` every code
-``25 <= c <= 160`` decodes exactly (scales ``2**-102 .. 2**33``).
+``27 <= c <= 160`` decodes exactly (scales ``2**-100 .. 2**33``): the tile holds
+multiples of ``2**(c - 160)``, which bf16 carries down to ``2**-133``.
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ def fp8_linear_kernel(x, weight, scale, bias=None, act_quant=True, act_peak=224.
     """``y = round(A @ W.T + bias)`` with an fp8 weight and 32x32 e8m0 scales.
 
     Args (HBM): ``x`` ``[M, K]`` bf16; ``weight`` ``[N, K]`` uint8 (e4m3fn bytes);
-    ``scale`` ``[ceil(N/32), K/32]`` uint8 e8m0 codes (each <= 134, i.e. scales <= 2**7);
+    ``scale`` ``[ceil(N/32), K/32]`` uint8 e8m0 codes (exact for codes in ``[3, 134]``, scales ``2**-124 .. 2**7``);
     ``bias`` ``[1, N]`` fp32 or ``None``. ``K % 32 == 0``; ``act_peak <= 240``.
     ``A = qdq(x, act_peak)`` if ``act_quant`` else ``x``.
     Returns ``[M, N]`` of ``out_dtype`` in shared HBM. Tiling, budgets and
@@ -187,8 +187,8 @@ def fp4_linear_kernel(x, weight, scale, bias=None, act_quant=True, act_peak=224.
     """``y = round(A @ W.T + bias)`` with an OCP MXFP4 weight (W4A8 by default).
 
     Args (HBM): ``x`` ``[M, K]`` bf16; ``weight`` ``[N, K/2]`` uint8, element ``2j`` in
-    the low nibble of byte ``j``; ``scale`` ``[N, K/32]`` uint8 e8m0 codes (each in
-    ``[25, 160]``); ``bias`` ``[1, N]`` fp32 or ``None``. ``K % 64 == 0``.
+    the low nibble of byte ``j``; ``scale`` ``[N, K/32]`` uint8 e8m0 codes (exact for codes
+    in ``[27, 160]``); ``bias`` ``[1, N]`` fp32 or ``None``. ``K % 64 == 0``.
     Weight tiles carry ``2**-32`` (:data:`decode.FP4_POST_EXP`); the PSUM result is
     multiplied by ``2**32`` before the bias, exactly. Tiling: module docstring.
     """
