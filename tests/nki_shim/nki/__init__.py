@@ -7,7 +7,7 @@ and enforces the documented limits (see ``_core`` and ``isa``); it cannot tell
 whether the Neuron compiler accepts a kernel, how fast it runs, or how the
 hardware rounds.
 
-    result = nki.simulate(kernel)(x_np, w_np)       # one core
+    result = nki.simulate(kernel)(x_np, w_np)       # one core (torch tensors work too)
     result = nki.simulate(kernel[2])(x_np, w_np)    # LNC=2: program_id(0) in {0, 1}
 """
 
@@ -53,14 +53,30 @@ def jit(fn=None, **options):
     return fn if isinstance(fn, Kernel) else Kernel(fn)
 
 
-def _to_numpy(value) -> np.ndarray:
+def _torch():
     try:
         import torch
     except ImportError:  # pragma: no cover
-        torch = None
+        return None
+    return torch
+
+
+def _to_numpy(value) -> np.ndarray:
+    """NumPy arrays pass; torch tensors become NumPy with the same bytes (bf16 via ml_dtypes)."""
+    torch = _torch()
     if torch is not None and isinstance(value, torch.Tensor):
-        raise TypeError("the stand-in takes NumPy arrays; convert torch tensors first (bf16 via ml_dtypes)")
+        t = value.detach().cpu().contiguous()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(_core.bfloat16)
+        return t.numpy()
     return np.ascontiguousarray(value)
+
+
+def _to_torch(array: np.ndarray):
+    torch = _torch()
+    if array.dtype == _core.bfloat16:
+        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(array.copy())
 
 
 def simulate(kernel):
@@ -69,6 +85,10 @@ def simulate(kernel):
 
     def run(*args, **kwargs):
         global last_launch
+        torch = _torch()
+        as_torch = torch is not None and any(isinstance(v, torch.Tensor) for v in (*args, *kwargs.values()))
+        args = [_to_numpy(v) if torch is not None and isinstance(v, torch.Tensor) else v for v in args]
+        kwargs = {k: _to_numpy(v) if torch is not None and isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         launch = _core.Launch(kernel.lnc)
         names = kernel.fn.__code__.co_varnames
 
@@ -88,7 +108,10 @@ def simulate(kernel):
             finally:
                 _core.Launch.current = None
         last_launch = launch
-        return _outputs(results[0])
+        out = _outputs(results[0])
+        if as_torch:  # like the real simulate: results come back in the callers' format
+            out = type(out)(_to_torch(o) for o in out) if isinstance(out, (tuple, list)) else _to_torch(out)
+        return out
 
     return run
 
