@@ -281,3 +281,23 @@ def test_leading_dims_and_input_dtype_are_flattened_like_the_op(kernels):
     w_dec = formats.dequantize_fp8(data, scale, (32, 32), torch.float32)
     assert_linear_close(y.reshape(6, 40), ref.fp8_linear(*args).reshape(6, 40), activation(x, True), w_dec,
                         None, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- #
+# budgets (the stand-in's bookkeeping) match the kernel docstrings
+# --------------------------------------------------------------------------- #
+
+_DOCUMENTED_SBUF_BOUND = 80 * 1024  # linear.py's budget table: <= ~80 KiB a partition
+
+
+def test_sbuf_peak_within_documented_budget(kernels, shim_only):
+    # 300 rows = a group of 3 staged M tiles at K = 6144 (12 KiB each).
+    _check_fp8(kernels, 300, 6144, 32, 1)
+    assert 36 * 1024 < shim_only.last_launch.sbuf_peak <= _DOCUMENTED_SBUF_BOUND
+
+
+@pytest.mark.slow
+def test_sbuf_peak_at_max_k_within_documented_budget(kernels, shim_only):
+    # K = MAX_K: one 64 KiB staged tile per group, two groups in sequence.
+    _check_dense(kernels, 130, prep.MAX_K, 32, 1, torch.bfloat16)
+    assert 64 * 1024 < shim_only.last_launch.sbuf_peak <= _DOCUMENTED_SBUF_BOUND

@@ -34,17 +34,18 @@ contraction on partitions, so both operands are staged K-major)::
                     nc_matmul(acc[g], aT[g][:, kb, :], wT[:, j, :], accumulate=(kb > 0))
             y[g] <- acc[g] * post_scale (+ bias), one rounding to out_dtype
 
-SBUF budget per partition (K = 6144, worst case of the tested shapes):
+SBUF budget per partition (live at once, worst case):
 
-    staged activations  4 tiles x K x 2 B            48.0 KiB
-    qdq of one chunk    (see qdq.qdq_chunk)          ~3.8 KiB
-    weight decode       (see decode.decode_*_tile)   ~4.6 KiB
-    wT                  4 x 512 x 2 B                 4.0 KiB
-    bias, output        512 x 4 B + 512 x 4 B         4.0 KiB
-    total                                            ~64.4 KiB of 192 KiB
+    staged activations  min(4, 64 KiB // 2K) M tiles x 2K B   <= 64.0 KiB
+    qdq of one chunk    (qdq.qdq_chunk, while staging)          ~3.8 KiB
+    weight decode       (decode.decode_*_tile)                  ~4.6 KiB
+    wT                  4 x 512 x 2 B                            4.0 KiB
+    bias, output tile   512 x 4 B + 512 x <= 4 B                 4.0 KiB
+    total                                                      <= ~80 KiB of 192 KiB
 
-In general the staged activations take ``min(4, 64 KiB // (2K)) x 2K`` bytes, at most
-64 KiB (``K <= 32768``). PSUM: one bank per M tile of the group, at most 4 of 8.
+The stand-in measures 63.5 KiB for M=512, K=6144, N=600 (fp8, a full group of
+4 staged tiles) and 76.5 KiB for M=130, K=32768 (``MAX_K``, one staged tile).
+PSUM: one 2 KiB bank per M tile of the group, at most 4 of the 8 banks.
 """
 
 from __future__ import annotations
@@ -124,46 +125,52 @@ def _linear(x, weight, scale, bias, fmt, act_quant, act_peak, out_dtype):
     """The shared GEMM; see the module docstring for tiling and budgets."""
     m, k = x.shape
     n = weight.shape[0]
-    out_dt = getattr(nl, out_dtype)
-    y = nl.ndarray((m, n), dtype=out_dt, buffer=nl.shared_hbm, name="y")
-    post_scale = float(2 ** FP4_POST_EXP) if fmt == "fp4" else 1.0
+    y = nl.ndarray((m, n), dtype=getattr(nl, out_dtype), buffer=nl.shared_hbm, name="y")
     n_lo, n_hi = _core_span(n)
     m_tiles = _cdiv(m, PT)
     group = max(1, min(MAX_GROUP, STAGE_BYTES // (2 * PT * _cdiv(k, PT))))
-
     for g0 in range(0, m_tiles, group):
-        tiles = []
-        for mi in range(g0, min(m_tiles, g0 + group)):
-            rows = min(PT, m - mi * PT)
-            tiles.append((mi * PT, rows, _stage_activation(x, mi * PT, rows, k, act_quant, act_peak)))
-
-        for n0 in range(n_lo, n_hi, N_TILE):
-            nt = min(N_TILE, n_hi - n0)
-            accs = [nl.ndarray((PT, N_TILE), dtype=nl.float32, buffer=nl.psum, name="acc") for _ in tiles]
-            for c0 in range(0, k, K_CHUNK):
-                kc = min(K_CHUNK, k - c0)
-                w_t = _weight_chunk(fmt, weight, scale, n0, nt, c0, kc)
-                for j in range(_cdiv(kc, PT)):
-                    kb = c0 // PT + j
-                    kt = min(PT, k - kb * PT)
-                    for (m0, rows, a_t), acc in zip(tiles, accs):
-                        nisa.nc_matmul(dst=acc[:rows, :nt], stationary=a_t[:kt, kb, :rows],
-                                       moving=w_t[:kt, j, :nt], accumulate=(kb > 0))
-
-            if bias is not None:
-                bias_sb = nl.ndarray((PT, N_TILE), dtype=nl.float32, buffer=nl.sbuf, name="bias")
-                nisa.dma_copy(dst=bias_sb[:, :nt], src=bias[0:1, n0:n0 + nt].broadcast(0, PT))
-            for (m0, rows, _), acc in zip(tiles, accs):
-                out_sb = nl.ndarray((PT, N_TILE), dtype=out_dt, buffer=nl.sbuf, name="y_sb")
-                # One rounding: (acc * post_scale + bias) in fp32, cast once on write.
-                if bias is not None:
-                    nisa.scalar_tensor_tensor(dst=out_sb[:rows, :nt], data=acc[:rows, :nt], op0=nl.multiply,
-                                              operand0=post_scale, op1=nl.add, operand1=bias_sb[:rows, :nt])
-                else:
-                    nisa.tensor_scalar(dst=out_sb[:rows, :nt], data=acc[:rows, :nt], op0=nl.multiply,
-                                       operand0=post_scale)
-                nisa.dma_copy(dst=y[m0:m0 + rows, n0:n0 + nt], src=out_sb[:rows, :nt])
+        # One call per group, so a group's staged tiles are dead before the next is staged.
+        _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak,
+                      range(g0, min(m_tiles, g0 + group)), n_lo, n_hi)
     return y
+
+
+def _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, m_tile_ids, n_lo, n_hi):
+    """``y[rows of the group, n_lo:n_hi]`` for a group of M tiles staged together."""
+    m, k = x.shape
+    post_scale = float(2 ** FP4_POST_EXP) if fmt == "fp4" else 1.0
+    tiles = []
+    for mi in m_tile_ids:
+        rows = min(PT, m - mi * PT)
+        tiles.append((mi * PT, rows, _stage_activation(x, mi * PT, rows, k, act_quant, act_peak)))
+
+    for n0 in range(n_lo, n_hi, N_TILE):
+        nt = min(N_TILE, n_hi - n0)
+        accs = [nl.ndarray((PT, N_TILE), dtype=nl.float32, buffer=nl.psum, name="acc") for _ in tiles]
+        for c0 in range(0, k, K_CHUNK):
+            kc = min(K_CHUNK, k - c0)
+            w_t = _weight_chunk(fmt, weight, scale, n0, nt, c0, kc)
+            for j in range(_cdiv(kc, PT)):
+                kb = c0 // PT + j
+                kt = min(PT, k - kb * PT)
+                for (m0, rows, a_t), acc in zip(tiles, accs):
+                    nisa.nc_matmul(dst=acc[:rows, :nt], stationary=a_t[:kt, kb, :rows],
+                                   moving=w_t[:kt, j, :nt], accumulate=(kb > 0))
+
+        if bias is not None:
+            bias_sb = nl.ndarray((PT, N_TILE), dtype=nl.float32, buffer=nl.sbuf, name="bias")
+            nisa.dma_copy(dst=bias_sb[:, :nt], src=bias[0:1, n0:n0 + nt].broadcast(0, PT))
+        for (m0, rows, _), acc in zip(tiles, accs):
+            out_sb = nl.ndarray((PT, N_TILE), dtype=y.dtype, buffer=nl.sbuf, name="y_sb")
+            # One rounding: (acc * post_scale + bias) in fp32, cast once on write.
+            if bias is not None:
+                nisa.scalar_tensor_tensor(dst=out_sb[:rows, :nt], data=acc[:rows, :nt], op0=nl.multiply,
+                                          operand0=post_scale, op1=nl.add, operand1=bias_sb[:rows, :nt])
+            else:
+                nisa.tensor_scalar(dst=out_sb[:rows, :nt], data=acc[:rows, :nt], op0=nl.multiply,
+                                   operand0=post_scale)
+            nisa.dma_copy(dst=y[m0:m0 + rows, n0:n0 + nt], src=out_sb[:rows, :nt])
 
 
 @nki.jit
