@@ -87,7 +87,7 @@ def decode_fp4_tile(weight, scale, row0, rows, c0, kc):
 
     ``weight``: ``[N, K/2]`` uint8 (low nibble = even element); ``scale``: ``[N, K/32]``
     uint8; ``c0`` and ``kc`` multiples of 64. SBUF per partition for ``kc = 512``:
-    256 B raw + 3 x 1 KiB uint16 + 1 KiB bf16 + scales, 4.4 KiB.
+    256 B raw + 512 B + 1 KiB uint16 + 1 KiB bf16 + scales, 2.8 KiB.
     """
     nb = kc // BLOCK
     half = kc // 2
