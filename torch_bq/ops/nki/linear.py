@@ -62,6 +62,8 @@ N_TILE = 512  # fp32 columns in one PSUM bank
 K_CHUNK = 512  # weight columns decoded per step
 STAGE_BYTES = 64 * 1024  # staged K-major activations per partition
 MAX_GROUP = 4  # PSUM banks for the accumulators of one M group (of 8)
+# Kernel arguments stay plain strings; NKI dictionaries take string keys.
+_OUT_DTYPES = {"bfloat16": nl.bfloat16, "float16": nl.float16, "float32": nl.float32}
 
 
 def _cdiv(a, b):
@@ -125,7 +127,7 @@ def _linear(x, weight, scale, bias, fmt, act_quant, act_peak, out_dtype):
     """The shared GEMM; see the module docstring for tiling and budgets."""
     m, k = x.shape
     n = weight.shape[0]
-    y = nl.ndarray((m, n), dtype=getattr(nl, out_dtype), buffer=nl.shared_hbm, name="y")
+    y = nl.ndarray((m, n), dtype=_OUT_DTYPES[out_dtype], buffer=nl.shared_hbm, name="y")
     n_lo, n_hi = _core_span(n)
     m_tiles = _cdiv(m, PT)
     group = max(1, min(MAX_GROUP, STAGE_BYTES // (2 * PT * _cdiv(k, PT))))
@@ -154,14 +156,17 @@ def _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, m_tile_id
             for j in range(_cdiv(kc, PT)):
                 kb = c0 // PT + j
                 kt = min(PT, k - kb * PT)
-                for (m0, rows, a_t), acc in zip(tiles, accs):
-                    nisa.nc_matmul(dst=acc[:rows, :nt], stationary=a_t[:kt, kb, :rows],
+                for g in range(len(tiles)):
+                    m0, rows, a_t = tiles[g]
+                    nisa.nc_matmul(dst=accs[g][:rows, :nt], stationary=a_t[:kt, kb, :rows],
                                    moving=w_t[:kt, j, :nt], accumulate=(kb > 0))
 
         if bias is not None:
             bias_sb = nl.ndarray((PT, N_TILE), dtype=nl.float32, buffer=nl.sbuf, name="bias")
             nisa.dma_copy(dst=bias_sb[:, :nt], src=bias[0:1, n0:n0 + nt].broadcast(0, PT))
-        for (m0, rows, _), acc in zip(tiles, accs):
+        for g in range(len(tiles)):
+            m0, rows, _ = tiles[g]
+            acc = accs[g]
             out_sb = nl.ndarray((PT, N_TILE), dtype=y.dtype, buffer=nl.sbuf, name="y_sb")
             # One rounding: (acc * post_scale + bias) in fp32, cast once on write.
             if bias is not None:

@@ -5,7 +5,7 @@ tests do so.
 
 The round trip of one ``[rows, 32 * nb]`` bf16 chunk, rows on partitions:
 
-    a    = |x|                                         activation(abs), exact in bf16
+    a    = |x|                                         tensor_scalar(abs), exact in bf16
     amax = max over each 32-block of a                 tensor_reduce -> fp32 [rows, nb]
     t    = max(amax, 1e-4) * fp32(1 / peak)            tensor_scalar, fp32 math
     e    = biased exponent of t, +1 if t's mantissa != 0   bit ops on t.view(int32)
@@ -40,7 +40,9 @@ def qdq_chunk(x_sb, rows, nb, peak):
     """
     x3 = x_sb[:rows]
     absx = nl.ndarray((PT, nb, QDQ_BLOCK), dtype=nl.bfloat16, buffer=nl.sbuf, name="qdq_abs")
-    nisa.activation(dst=absx[:rows], op=nl.abs, data=x3)
+    # The ALU's unary abs (exact), not the Scalar Engine's activation table, whose
+    # functions are piecewise-polynomial approximations.
+    nisa.tensor_scalar(dst=absx[:rows], data=x3, op0=nl.abs, operand0=None)
 
     t = nl.ndarray((PT, nb), dtype=nl.float32, buffer=nl.sbuf, name="qdq_t")
     nisa.tensor_reduce(dst=t[:rows], op=nl.maximum, data=absx[:rows], axis=2)
@@ -65,14 +67,16 @@ def qdq_chunk(x_sb, rows, nb, peak):
     nisa.tensor_scalar(dst=recip[:rows], data=expo[:rows], op0=nl.subtract, operand0=254.0, reverse0=True)
     nisa.tensor_scalar(dst=recip[:rows], data=recip[:rows], op0=nl.left_shift, operand0=23)
 
-    def per_block(codes):
-        return codes.view(nl.float32)[:rows].reshape((rows, nb, 1)).broadcast(2, QDQ_BLOCK)
-
     q = nl.ndarray((PT, nb, QDQ_BLOCK), dtype=nl.float8_e4m3, buffer=nl.sbuf, name="qdq_q")
-    nisa.tensor_tensor(dst=q[:rows], data1=x3, data2=per_block(recip), op=nl.multiply)
+    nisa.tensor_tensor(dst=q[:rows], data1=x3, data2=_per_block(recip, rows, nb), op=nl.multiply)
     out = nl.ndarray((PT, nb, QDQ_BLOCK), dtype=nl.bfloat16, buffer=nl.sbuf, name="qdq_out")
-    nisa.tensor_tensor(dst=out[:rows], data1=q[:rows], data2=per_block(scale), op=nl.multiply)
+    nisa.tensor_tensor(dst=out[:rows], data1=q[:rows], data2=_per_block(scale, rows, nb), op=nl.multiply)
     return out
+
+
+def _per_block(bits, rows, nb):
+    """fp32 bit patterns ``[PT, nb]`` as a ``[rows, nb, 32]`` view repeating each value over its block."""
+    return bits.view(nl.float32)[:rows].reshape((rows, nb, 1)).broadcast(2, QDQ_BLOCK)
 
 
 @nki.jit
