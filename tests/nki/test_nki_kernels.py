@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nki_testing import activation, assert_linear_close, bits, launch
@@ -158,6 +158,26 @@ def test_linear_lnc2_matches_lnc1_bit_for_bit(kernels, variant, m, k, n):
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
 def test_linear_out_dtype_without_bias(kernels, variant, out_dtype):
     _VARIANTS[variant](kernels, 33, 128, 96, 2, with_bias=False, out_dtype=out_dtype, seed=3)
+
+
+@settings(max_examples=12)  # each example is a kernel run; shapes vary more than values
+@given(
+    variant=st.sampled_from(list(_VARIANTS)),
+    m=st.integers(1, 200),
+    k64=st.integers(1, 6),
+    n=st.integers(1, 300),
+    lnc=st.sampled_from([1, 2]),
+    with_bias=st.booleans(),
+)
+def test_linear_property_any_m_n(kernels, variant, m, k64, n, lnc, with_bias):
+    # Any M and N (partial M tiles, partial 32-row scale blocks, a core with an empty span).
+    _VARIANTS[variant](kernels, m, 64 * k64, n, lnc, with_bias=with_bias, seed=m + n)
+
+
+def test_linear_partial_scale_block_rows(kernels):
+    # N = 77: the last 32x32 scale row covers 13 rows; LNC2 splits N at 128.
+    _check_fp8(kernels, 9, 96, 77, 2)
+    _check_fp8(kernels, 9, 96, 200, 2)
 
 
 @pytest.mark.slow
