@@ -183,11 +183,23 @@ def fp8_linear_kernel(x, weight, scale, bias=None, act_quant=True, act_peak=224.
     """``y = round(A @ W.T + bias)`` with an fp8 weight and 32x32 e8m0 scales.
 
     Args (HBM): ``x`` ``[M, K]`` bf16; ``weight`` ``[N, K]`` uint8 (e4m3fn bytes);
-    ``scale`` ``[ceil(N/32), K/32]`` uint8 e8m0 codes (exact for codes in ``[3, 134]``, scales ``2**-124 .. 2**7``);
-    ``bias`` ``[1, N]`` fp32 or ``None``. ``K % 32 == 0``; ``act_peak <= 240``.
-    ``A = qdq(x, act_peak)`` if ``act_quant`` else ``x``.
-    Returns ``[M, N]`` of ``out_dtype`` in shared HBM. Tiling, budgets and
-    pseudocode: module docstring; decode: :func:`decode.decode_fp8_tile`.
+    ``scale`` ``[ceil(N/32), K/32]`` uint8 e8m0 codes (exact for codes in ``[3, 134]``,
+    scales ``2**-124 .. 2**7``); ``bias`` ``[1, N]`` fp32 or ``None``. ``K % 32 == 0``,
+    ``act_peak <= 240``. ``A = qdq(x, act_peak)`` if ``act_quant`` else ``x``.
+    Returns ``[M, N]`` of ``out_dtype`` in shared HBM.
+
+    Tiling: M 128 x N 512 (one PSUM bank) x K 128; weight decoded 128 rows x 512
+    K columns at a time (:func:`decode.decode_fp8_tile`); up to 4 M tiles staged
+    K-major. ``kernel[2]``: core ``p`` takes N columns ``[p*span, (p+1)*span)``.
+
+    SBUF per partition: staged A <= 64 KiB, qdq 3.8 KiB, decode 4.6 KiB, wT 4 KiB,
+    bias + output 4 KiB: <= ~80 KiB of 192. PSUM: <= 4 of 8 banks.
+
+        for each group of <= 4 M tiles:  aT <- transpose(qdq(x rows))
+            for each N tile of this core:
+                for each K chunk:  wT <- transpose(decode_fp8(W rows, chunk))
+                    for each K tile, M tile:  nc_matmul(acc, aT, wT, accumulate=(kb > 0))
+                y <- round(acc + bias)
     """
     if act_quant and act_peak > 240.0:
         raise ValueError(f"act_peak={act_peak}: Trainium2's fp8 e4m3 saturates at 240")
@@ -201,8 +213,19 @@ def fp4_linear_kernel(x, weight, scale, bias=None, act_quant=True, act_peak=224.
     Args (HBM): ``x`` ``[M, K]`` bf16; ``weight`` ``[N, K/2]`` uint8, element ``2j`` in
     the low nibble of byte ``j``; ``scale`` ``[N, K/32]`` uint8 e8m0 codes (exact for codes
     in ``[27, 160]``); ``bias`` ``[1, N]`` fp32 or ``None``. ``K % 64 == 0``.
-    Weight tiles carry ``2**-32`` (:data:`decode.FP4_POST_EXP`); the PSUM result is
-    multiplied by ``2**32`` before the bias, exactly. Tiling: module docstring.
+
+    Tiling as :func:`fp8_linear_kernel`; the decode (:func:`decode.decode_fp4_tile`)
+    leaves ``2**-32`` in each weight tile and the PSUM result is multiplied by
+    ``2**32`` (exact) together with the bias add.
+
+    SBUF per partition: staged A <= 64 KiB, qdq 3.8 KiB, decode 2.8 KiB, wT 4 KiB,
+    bias + output 4 KiB: <= ~79 KiB of 192. PSUM: <= 4 of 8 banks.
+
+        for each group of <= 4 M tiles:  aT <- transpose(qdq(x rows))
+            for each N tile of this core:
+                for each K chunk:  wT <- transpose(decode_fp4(W rows, chunk))   # x 2**-32
+                    for each K tile, M tile:  nc_matmul(acc, aT, wT, accumulate=(kb > 0))
+                y <- round(acc * 2**32 + bias)
     """
     if act_quant and act_peak > 240.0:
         raise ValueError(f"act_peak={act_peak}: Trainium2's fp8 e4m3 saturates at 240")
@@ -213,8 +236,17 @@ def fp4_linear_kernel(x, weight, scale, bias=None, act_quant=True, act_peak=224.
 def bf16_linear_kernel(x, weight, bias=None, out_dtype="bfloat16"):
     """``y = round(x @ W.T + bias)``: ``x`` ``[M, K]`` bf16, ``weight`` ``[N, K]`` bf16, ``K % 32 == 0``.
 
-    The weight needs no decode: its 128x128 tiles are DMA-transposed from HBM
-    straight into the K-major ``wT`` tile. Tiling: module docstring.
+    Tiling as :func:`fp8_linear_kernel`, without qdq or decode: x and W tiles
+    (128 x 128) are DMA-transposed from HBM straight into the K-major tiles.
+
+    SBUF per partition: staged x <= 64 KiB, wT 4 KiB, bias + output 4 KiB:
+    <= ~72 KiB of 192. PSUM: <= 4 of 8 banks.
+
+        for each group of <= 4 M tiles:  aT <- dma_transpose(x rows)
+            for each N tile of this core:
+                for each K chunk:  wT <- dma_transpose(W rows, chunk)
+                    for each K tile, M tile:  nc_matmul(acc, aT, wT, accumulate=(kb > 0))
+                y <- round(acc + bias)
     """
     return _linear(x, weight, None, bias, "bf16", False, 224.0, out_dtype)
 
@@ -223,7 +255,16 @@ def bf16_linear_kernel(x, weight, bias=None, out_dtype="bfloat16"):
 def fp32w_linear_kernel(x, weight, bias=None, out_dtype="bfloat16"):
     """``y = round(x @ bf16(W).T + bias)``: ``weight`` ``[N, K]`` fp32, narrowed to bf16 in SBUF.
 
-    Each 128x512 fp32 weight tile (2 KiB per partition) is copied to bf16 by the
-    engine (round to nearest even), then transposed like the other formats.
+    Tiling as :func:`bf16_linear_kernel`; each 128 x 512 fp32 weight tile is
+    copied to bf16 by the engine (round to nearest even) before its transposes.
+
+    SBUF per partition: staged x <= 64 KiB, fp32 + bf16 weight tile 3 KiB, wT 4 KiB,
+    bias + output 4 KiB: <= ~75 KiB of 192. PSUM: <= 4 of 8 banks.
+
+        for each group of <= 4 M tiles:  aT <- dma_transpose(x rows)
+            for each N tile of this core:
+                for each K chunk:  wT <- transpose(bf16(W rows, chunk))
+                    for each K tile, M tile:  nc_matmul(acc, aT, wT, accumulate=(kb > 0))
+                y <- round(acc + bias)
     """
     return _linear(x, weight, None, bias, "fp32w", False, 224.0, out_dtype)
