@@ -195,8 +195,10 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         accumulate = dst.matmul_initialised()
     if accumulate and not dst.matmul_initialised():
         raise NkiShimError(f"{op}: accumulate=True into PSUM no matmul initialised ({shapes})")
-    # fp32 products and sums, as the PE array accumulates in fp32.
-    result = to_f32(stationary.read(op)).T @ to_f32(moving.read(op))
+    # fp32 products and sums, as the PE array accumulates in fp32. einsum's own loops
+    # rather than BLAS: on a busy 2-core CI machine a threaded BLAS is many times slower
+    # for tiles this small.
+    result = np.einsum("km,kn->mn", to_f32(stationary.read(op)), to_f32(moving.read(op)))
     if accumulate:
         result = dst.read(op) + result
     dst.write(op, result.astype(np.float32), from_matmul=True)
