@@ -93,13 +93,14 @@ def test_qdq_bit_exact_property(kernels, m, nb, shift, seed):
 # --------------------------------------------------------------------------- #
 
 
-def _check_fp8(kernels, m, k, n, lnc, act_quant=True, with_bias=True, out_dtype=torch.bfloat16, seed=0):
+def _check_fp8(kernels, m, k, n, lnc, act_quant=True, with_bias=True, out_dtype=torch.bfloat16, seed=0,
+               block=(32, 32)):
     x, w, bias = _inputs(m, k, n, seed)
     bias = bias if with_bias else None
-    data, scale = formats.quantize_fp8(w)
-    args = (x, data, scale, bias, (32, 32), act_quant, 224.0, out_dtype)
+    data, scale = formats.quantize_fp8(w, block=block)
+    args = (x, data, scale, bias, block, act_quant, 224.0, out_dtype)
     y = launch(kernels.linear.fp8_linear_kernel, prep.prepare_fp8_linear(*args), lnc)
-    w_bf16 = formats.dequantize_fp8(data, scale, (32, 32), torch.float32)
+    w_bf16 = formats.dequantize_fp8(data, scale, block, torch.float32)
     assert_linear_close(y, ref.fp8_linear(*args), activation(x, act_quant), w_bf16, bias, out_dtype)
     return y
 
@@ -172,6 +173,12 @@ def test_linear_out_dtype_without_bias(kernels, variant, out_dtype):
 def test_linear_property_any_m_n(kernels, variant, m, k64, n, lnc, with_bias):
     # Any M and N (partial M tiles, partial 32-row scale blocks, a core with an empty span).
     _VARIANTS[variant](kernels, m, 64 * k64, n, lnc, with_bias=with_bias, seed=m + n)
+
+
+@pytest.mark.parametrize("block", [(1, 32), (128, 128), (64, 64), (256, 512), (8, 256)])
+def test_fp8_other_e8m0_blocks(kernels, block):
+    # MXFP8 (1x32) and other e8m0 block shapes; N = 200 leaves a partial block row.
+    _check_fp8(kernels, 5, 1024, 200, 2, block=block)
 
 
 def test_linear_partial_scale_block_rows(kernels):
@@ -276,11 +283,17 @@ def test_k_above_staging_limit_refused():
         prep.prepare_dense_linear(torch.randn(1, k), torch.randn(2, k), None, torch.bfloat16, torch.float32)
 
 
-def test_other_fp8_layouts_fall_back_to_the_reference():
-    x = torch.randn(2, 256)
-    data, scale = formats.quantize_fp8(torch.randn(128, 256), block=(128, 128), scale_dtype=torch.float32)
-    launch_args = prep.prepare_fp8_linear(x, data, scale, None, (128, 128), True, 224.0, torch.bfloat16)
-    assert launch_args.kernel is None and "128, 128" in launch_args.fallback
+@pytest.mark.parametrize(
+    "block,scale_dtype,k",
+    [((128, 128), torch.float32, 256), ((128, 128), torch.float8_e8m0fnu, 320), ((48, 32), torch.uint8, 256),
+     ((32, 96), torch.uint8, 288)],
+)
+def test_other_fp8_layouts_fall_back_to_the_reference(block, scale_dtype, k):
+    # float32 (DeepSeek) scales need not be powers of two; other shapes do not tile.
+    x = torch.randn(2, k)
+    data, scale = formats.quantize_fp8(torch.randn(128, k), block=block, scale_dtype=scale_dtype)
+    launch_args = prep.prepare_fp8_linear(x, data, scale, None, block, True, 224.0, torch.bfloat16)
+    assert launch_args.kernel is None and str(block) in launch_args.fallback
 
 
 def test_empty_inputs_launch_nothing():

@@ -38,23 +38,25 @@ FP4_MAGIC = 0x1040
 FP4_MASK = 0x81C0
 
 
-def _scaled(bits16, factor16, rows, nb, name):
-    """``bf16(bits) * bf16(factor)`` per 32-block; both exact bf16, so is the product."""
-    out = nl.ndarray((PT, nb, BLOCK), dtype=nl.bfloat16, buffer=nl.sbuf, name=name)
-    values = bits16.view(nl.bfloat16)[:rows].reshape((rows, nb, BLOCK))
-    factor = factor16.view(nl.bfloat16)[:rows].reshape((rows, nb, 1)).broadcast(2, BLOCK)
+def _scaled(bits16, factor16, rows, nb, name, block=BLOCK):
+    """``bf16(bits) * bf16(factor)`` per ``block`` columns; both exact bf16, so is the product."""
+    out = nl.ndarray((PT, nb, block), dtype=nl.bfloat16, buffer=nl.sbuf, name=name)
+    values = bits16.view(nl.bfloat16)[:rows].reshape((rows, nb, block))
+    factor = factor16.view(nl.bfloat16)[:rows].reshape((rows, nb, 1)).broadcast(2, block)
     nisa.tensor_tensor(dst=out[:rows], data1=values, data2=factor, op=nl.multiply)
-    return out.reshape((PT, nb * BLOCK))
+    return out.reshape((PT, nb * block))
 
 
-def decode_fp8_tile(weight, scale, row0, rows, c0, kc):
-    """bf16 ``W[row0:row0+rows, c0:c0+kc]`` from e4m3 bytes and 32x32 e8m0 codes.
+def decode_fp8_tile(weight, scale, row0, rows, c0, kc, block_rows=BLOCK, block_cols=BLOCK):
+    """bf16 ``W[row0:row0+rows, c0:c0+kc]`` from e4m3 bytes and ``block_rows x block_cols`` e8m0 codes.
 
-    ``weight``: ``[N, K]`` uint8 (HBM); ``scale``: ``[ceil(N/32), K/32]`` uint8 (HBM);
-    ``row0`` a multiple of 32, ``kc`` a multiple of 32, ``rows <= 128``.
-    SBUF per partition: ``kc`` x (1 + 2 + 2 + 2 + 2) B + scales, 4.6 KiB for ``kc = 512``.
+    ``weight``: ``[N, K]`` uint8 (HBM); ``scale``: ``[ceil(N/bn), K/bk]`` uint8 (HBM).
+    ``row0`` a multiple of 128 and ``rows <= 128``; ``block_rows`` divides 128 or is a
+    multiple of it (1 = MXFP8, 32, 128, ...); ``block_cols`` and ``c0`` divide into
+    ``kc``/``c0`` (32 .. 512). SBUF per partition: ``kc`` x (1 + 2 + 2 + 2 + 2) B +
+    scales, 4.6 KiB for ``kc = 512``.
     """
-    nb = kc // BLOCK
+    nb = kc // block_cols
     raw = nl.ndarray((PT, kc), dtype=nl.uint8, buffer=nl.sbuf, name="w8_raw")
     nisa.dma_copy(dst=raw[:rows], src=weight[row0:row0 + rows, c0:c0 + kc])
     high = nl.ndarray((PT, kc), dtype=nl.uint16, buffer=nl.sbuf, name="w8_high")
@@ -67,19 +69,24 @@ def decode_fp8_tile(weight, scale, row0, rows, c0, kc):
     nisa.tensor_scalar(dst=sign[:rows], data=high[:rows], op0=nl.bitwise_and, operand0=0x8000)
     nisa.tensor_tensor(dst=bits[:rows], data1=bits[:rows], data2=sign[:rows], op=nl.bitwise_or)
 
-    # Partition p holds weight row row0 + p, whose scale row is (row0 + p) // 32:
-    # replicate each scale row over its 32 partitions straight from HBM.
     codes = nl.ndarray((PT, nb), dtype=nl.uint8, buffer=nl.sbuf, name="w8_codes")
-    for g in range((rows + BLOCK - 1) // BLOCK):
-        grows = min(BLOCK, rows - g * BLOCK)
-        srow = row0 // BLOCK + g
-        nisa.dma_copy(dst=codes[g * BLOCK:g * BLOCK + grows],
-                      src=scale[srow:srow + 1, c0 // BLOCK:c0 // BLOCK + nb].broadcast(0, grows))
+    cb0 = c0 // block_cols
+    if block_rows == 1:
+        nisa.dma_copy(dst=codes[:rows], src=scale[row0:row0 + rows, cb0:cb0 + nb])
+    else:
+        # Partition p holds weight row row0 + p, whose scale row is (row0 + p) // bn:
+        # replicate each scale row over its partitions straight from HBM.
+        group = min(block_rows, PT)
+        for g in range((rows + group - 1) // group):
+            grows = min(group, rows - g * group)
+            srow = (row0 + g * group) // block_rows
+            nisa.dma_copy(dst=codes[g * group:g * group + grows],
+                          src=scale[srow:srow + 1, cb0:cb0 + nb].broadcast(0, grows))
     factor = nl.ndarray((PT, nb), dtype=nl.uint16, buffer=nl.sbuf, name="w8_factor")
     # (c + 120) * 128 <= 32512 for c <= 134: exact, and the bf16 bits of 2**(c - 7).
     nisa.tensor_scalar(dst=factor[:rows], data=codes[:rows], op0=nl.add, operand0=float(FP8_FACTOR_BIAS),
                        op1=nl.multiply, operand1=128.0)
-    return _scaled(bits, factor, rows, nb, "w8_bf16")
+    return _scaled(bits, factor, rows, nb, "w8_bf16", block_cols)
 
 
 def decode_fp4_tile(weight, scale, row0, rows, c0, kc):

@@ -107,17 +107,23 @@ def prepare_fp8_linear(
     """Check and lay out ``fp8_linear``'s arguments for ``fp8_linear_kernel``.
 
     Raises ``ValueError`` for ``act_peak > 240`` (with ``act_quant``) and for ``K``
-    not a multiple of 32. Blocks other than 32x32 with e8m0 scales are served by
-    the reference (``fallback`` set).
+    not a multiple of 32. The kernel takes e8m0 scales with ``bn`` dividing 128 or a
+    multiple of it (1x32 MXFP8, 32x32, 128x128, ...) and ``bk`` in {32, 64, 128, 256,
+    512} dividing ``K``; float32 (DeepSeek) scales or other blocks are served by the
+    reference (``fallback`` set): a float32 scale need not be a power of two, so the
+    decoded weight would not be exact in bf16.
     """
     ref.check_fp8_linear_args(x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
     check_act_peak(act_quant, act_peak)
     n, k = weight.shape
-    if tuple(block) != (32, 32) or scale.dtype == torch.float32:
-        launch = _launch(None, x, n, (), {}, out_dtype)
-        launch.fallback = f"fp8 block {tuple(block)} with {scale.dtype} scales (kernel: 32x32 e8m0)"
-        return launch
     _check_k(k, 32, "fp8_linear")
+    bn, bk = (int(b) for b in block)
+    rows_ok = (bn <= 128 and 128 % bn == 0) or bn % 128 == 0
+    cols_ok = bk in (32, 64, 128, 256, 512) and k % bk == 0
+    if scale.dtype == torch.float32 or not (rows_ok and cols_ok):
+        launch = _launch(None, x, n, (), {}, out_dtype)
+        launch.fallback = f"fp8 block {(bn, bk)} with {scale.dtype} scales for K={k}"
+        return launch
     tensors = (
         _x2d(x),
         formats.as_fp8_bytes(weight).contiguous(),
@@ -125,7 +131,9 @@ def prepare_fp8_linear(
         _bias_row(bias),
     )
     options = {"act_quant": bool(act_quant), "act_peak": float(act_peak)}
-    return _launch("fp8_linear_kernel", x, n, tensors, options, out_dtype)
+    launch = _launch("fp8_linear_kernel", x, n, tensors, options, out_dtype)
+    launch.options.update(block_rows=bn, block_cols=bk)
+    return launch
 
 
 def prepare_fp4_linear(

@@ -90,7 +90,7 @@ def _stage_activation(x, m0, rows, k, act_quant, act_peak):
     return a_t
 
 
-def _weight_chunk(fmt, weight, scale, n0, nt, c0, kc):
+def _weight_chunk(fmt, weight, scale, n0, nt, c0, kc, block):
     """``[PT, K_CHUNK // PT, N_TILE]`` bf16: ``wT[:, j, :nt]`` is ``W[n0:n0+nt, c0+j*128:...].T``."""
     w_t = nl.ndarray((PT, K_CHUNK // PT, N_TILE), dtype=nl.bfloat16, buffer=nl.sbuf, name="w_T")
     for r0 in range(0, nt, PT):
@@ -99,7 +99,7 @@ def _weight_chunk(fmt, weight, scale, n0, nt, c0, kc):
         if fmt == "bf16":
             w = None  # already bf16 in HBM: transpose straight from there
         elif fmt == "fp8":
-            w = decode_fp8_tile(weight, scale, row0, rows, c0, kc)
+            w = decode_fp8_tile(weight, scale, row0, rows, c0, kc, block[0], block[1])
         elif fmt == "fp4":
             w = decode_fp4_tile(weight, scale, row0, rows, c0, kc)
         else:
@@ -123,7 +123,7 @@ def _core_span(n):
     return lo, min(n, lo + span)
 
 
-def _linear(x, weight, scale, bias, fmt, act_quant, act_peak, out_dtype):
+def _linear(x, weight, scale, bias, fmt, act_quant, act_peak, out_dtype, block=(32, 32)):
     """The shared GEMM; see the module docstring for tiling and budgets."""
     m, k = x.shape
     n = weight.shape[0]
@@ -133,12 +133,12 @@ def _linear(x, weight, scale, bias, fmt, act_quant, act_peak, out_dtype):
     group = max(1, min(MAX_GROUP, STAGE_BYTES // (2 * PT * _cdiv(k, PT))))
     for g0 in range(0, m_tiles, group):
         # One call per group, so a group's staged tiles are dead before the next is staged.
-        _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak,
+        _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, block,
                       range(g0, min(m_tiles, g0 + group)), n_lo, n_hi)
     return y
 
 
-def _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, m_tile_ids, n_lo, n_hi):
+def _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, block, m_tile_ids, n_lo, n_hi):
     """``y[rows of the group, n_lo:n_hi]`` for a group of M tiles staged together."""
     m, k = x.shape
     post_scale = float(2 ** FP4_POST_EXP) if fmt == "fp4" else 1.0
@@ -152,7 +152,7 @@ def _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, m_tile_id
         accs = [nl.ndarray((PT, N_TILE), dtype=nl.float32, buffer=nl.psum, name="acc") for _ in tiles]
         for c0 in range(0, k, K_CHUNK):
             kc = min(K_CHUNK, k - c0)
-            w_t = _weight_chunk(fmt, weight, scale, n0, nt, c0, kc)
+            w_t = _weight_chunk(fmt, weight, scale, n0, nt, c0, kc, block)
             for j in range(_cdiv(kc, PT)):
                 kb = c0 // PT + j
                 kt = min(PT, k - kb * PT)
@@ -179,13 +179,16 @@ def _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, m_tile_id
 
 
 @nki.jit
-def fp8_linear_kernel(x, weight, scale, bias=None, act_quant=True, act_peak=224.0, out_dtype="bfloat16"):
-    """``y = round(A @ W.T + bias)`` with an fp8 weight and 32x32 e8m0 scales.
+def fp8_linear_kernel(x, weight, scale, bias=None, act_quant=True, act_peak=224.0, out_dtype="bfloat16",
+                      block_rows=32, block_cols=32):
+    """``y = round(A @ W.T + bias)`` with an fp8 weight and e8m0 block scales (32x32 by default).
 
     Args (HBM): ``x`` ``[M, K]`` bf16; ``weight`` ``[N, K]`` uint8 (e4m3fn bytes);
-    ``scale`` ``[ceil(N/32), K/32]`` uint8 e8m0 codes (exact for codes in ``[3, 134]``,
+    ``scale`` ``[ceil(N/bn), K/bk]`` uint8 e8m0 codes (exact for codes in ``[3, 134]``,
     scales ``2**-124 .. 2**7``); ``bias`` ``[1, N]`` fp32 or ``None``. ``K % 32 == 0``,
     ``act_peak <= 240``. ``A = qdq(x, act_peak)`` if ``act_quant`` else ``x``.
+    ``(bn, bk) = (block_rows, block_cols)``: ``bn`` divides 128 or is a multiple of it
+    (1 = MXFP8), ``bk`` divides 512 and ``K``; :mod:`.launch` checks.
     Returns ``[M, N]`` of ``out_dtype`` in shared HBM.
 
     Tiling: M 128 x N 512 (one PSUM bank) x K 128; weight decoded 128 rows x 512
@@ -203,7 +206,7 @@ def fp8_linear_kernel(x, weight, scale, bias=None, act_quant=True, act_peak=224.
     """
     if act_quant and act_peak > 240.0:
         raise ValueError(f"act_peak={act_peak}: Trainium2's fp8 e4m3 saturates at 240")
-    return _linear(x, weight, scale, bias, "fp8", act_quant, act_peak, out_dtype)
+    return _linear(x, weight, scale, bias, "fp8", act_quant, act_peak, out_dtype, (block_rows, block_cols))
 
 
 @nki.jit

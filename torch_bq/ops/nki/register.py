@@ -53,9 +53,11 @@ def register_neuron_kernels() -> bool:
 
     @nki_op("torch_bq_nki::fp8_linear", mutates_args={})
     def nki_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
-                       act_quant: bool, act_peak: float, out_dtype: str) -> torch.Tensor:
-        return launcher(kernels.fp8_linear_kernel)(x, weight, scale, bias, act_quant=act_quant,
-                                                   act_peak=act_peak, out_dtype=out_dtype)
+                       act_quant: bool, act_peak: float, out_dtype: str, block_rows: int,
+                       block_cols: int) -> torch.Tensor:
+        return launcher(kernels.fp8_linear_kernel)(x, weight, scale, bias, act_quant=act_quant, act_peak=act_peak,
+                                                   out_dtype=out_dtype, block_rows=block_rows,
+                                                   block_cols=block_cols)
 
     @nki_op("torch_bq_nki::fp4_linear", mutates_args={})
     def nki_fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
