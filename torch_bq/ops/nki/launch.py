@@ -8,11 +8,12 @@ What crosses into a kernel:
 
 * ``x``: ``[M, K]`` ``bfloat16`` (every op starts with ``bf16(x)``, SPEC.md §3-4);
 * fp8 weight: ``[N, K]`` ``uint8`` bytes (Trainium2's compiler rejects
-  ``F8E4M3FN`` tensors) and ``[ceil(N/32), K/32]`` ``uint8`` e8m0 codes;
+  ``F8E4M3FN`` tensors) and ``[ceil(N/bn), K/bk]`` ``uint8`` e8m0 codes;
 * fp4 weight: ``[N, K/2]`` ``uint8`` packed nibbles and ``[N, K/32]`` ``uint8`` codes;
 * bf16 / fp32 weight: ``[N, K]`` as given;
 * bias: ``[1, N]`` ``float32`` (added in fp32 before the one rounding) or ``None``;
-* options: ``act_quant``, ``act_peak`` and ``out_dtype`` as a dtype *name*.
+* options: ``act_quant``, ``act_peak``, ``out_dtype`` as a dtype *name*, and for
+  fp8 the block shape as ``block_rows``/``block_cols``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ tests do so. Arguments arrive laid out by :mod:`torch_bq.ops.nki.launch`.
 All four kernels share one tiling (:func:`_linear`) and differ in how a weight
 tile becomes bf16 (:mod:`torch_bq.ops.nki.decode`):
 
-* ``fp8_linear_kernel``  e4m3 bytes x 32x32 e8m0 codes, optional activation qdq
+* ``fp8_linear_kernel``  e4m3 bytes x e8m0 block codes (32x32, 1x32, 128x128, ...), optional qdq
 * ``fp4_linear_kernel``  packed e2m1 x 1x32 e8m0 codes, activation qdq (W4A8)
 * ``bf16_linear_kernel`` bf16 weight, DMA-transposed straight from HBM
 * ``fp32w_linear_kernel`` fp32 weight narrowed to bf16 in SBUF
