@@ -16,7 +16,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_addoption(parser):
-    # Read by tests/nki/conftest.py: which NKI runs the kernel tests.
+    # Read by tests/neuron/conftest.py: which NKI runs the kernel tests.
     parser.addoption(
         "--nki-backend",
         choices=("auto", "shim", "simulate"),

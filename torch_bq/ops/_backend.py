@@ -21,10 +21,12 @@ __all__ = ["nki_available", "neuron_available", "neuron_lnc"]
 
 
 def _spec_exists(name: str) -> bool:
+    """A regular module or package ``name`` is on the path (a bare directory of that name is not)."""
     try:
-        return importlib.util.find_spec(name) is not None
+        spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         return False
+    return spec is not None and spec.origin is not None
 
 
 def _import_quietly(name: str):

@@ -1,6 +1,6 @@
 """A NumPy stand-in for the parts of AWS NKI that torch_bq's kernels use.
 
-Test-only. ``tests/nki/conftest.py`` puts this package on ``sys.path`` as
+Test-only. ``tests/neuron/conftest.py`` puts this package on ``sys.path`` as
 ``nki`` when the real Neuron SDK is absent. It follows the documented
 semantics of ``nki.jit`` / ``nki.simulate`` / ``nki.language`` / ``nki.isa``
 and enforces the documented limits (see ``_core`` and ``isa``); it cannot tell

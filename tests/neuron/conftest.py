@@ -7,7 +7,7 @@
   since the stand-in must never shadow it);
 * ``simulate``: the real ``nki.simulate``; kernel tests skip when the SDK is absent.
 
-The stand-in is put on ``sys.path`` only here, so tests outside ``tests/nki`` never see it.
+The stand-in is put on ``sys.path`` only here, so tests outside ``tests/neuron`` never see it.
 """
 
 from __future__ import annotations
