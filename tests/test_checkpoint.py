@@ -522,3 +522,13 @@ def test_read_linear_region_reads_arbitrary_slices(tmp_path):
     assert torch.equal(w.bias, t["e_bias"][1]) and w.layout is layout  # not named: read whole
     with pytest.raises(ValueError, match="rows/cols or region, not both"):
         read_linear(path, layout, rows=(0, 32), region={"e_blocks": (slice(0, 1),)})
+
+
+@pytest.mark.parametrize(
+    "size, grid, expected",
+    [(300, 3, 128), (64, 2, 32), (100, 1, 128), (70000, 1, 131072), (300, 300, 1), (1, 1, 1), (300, 5, None)],
+)
+def test_block_inference_by_hand(size, grid, expected):
+    from torch_bq.nn.checkpoint import _infer_block_dim
+
+    assert _infer_block_dim(size, grid) == expected

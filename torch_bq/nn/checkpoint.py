@@ -509,10 +509,11 @@ def _infer_block_dim(size: int, grid: int) -> Optional[int]:
     """
     if grid == size:
         return 1
-    for p in range(0, 16):
-        b = 1 << p
+    b = 1
+    while b < 2 * size:  # past 2 * size every b gives grid 1, which b <= next_pow2(size) already did
         if -(-size // b) == grid:
             return b
+        b <<= 1
     return None
 
 
