@@ -526,7 +526,7 @@ def test_read_linear_region_reads_arbitrary_slices(tmp_path):
 
 @pytest.mark.parametrize(
     "size, grid, expected",
-    [(300, 3, 128), (64, 2, 32), (100, 1, 128), (70000, 1, 131072), (300, 300, 1), (1, 1, 1), (300, 5, None)],
+    [(300, 3, 128), (64, 2, 32), (100, 1, 128), (70000, 1, 131072), (300, 300, 1), (1, 1, 1), (300, 5, 64), (300, 7, None)],
 )
 def test_block_inference_by_hand(size, grid, expected):
     from torch_bq.nn.checkpoint import _infer_block_dim
