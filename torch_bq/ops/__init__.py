@@ -4,6 +4,15 @@ Each op's default body is the reference of :mod:`torch_bq.reference`; faster
 kernels are registered per device by the backend modules.
 """
 
+from .attention import paged_kv_write, paged_window_attention
 from .linear import bf16_linear, fp4_linear, fp8_linear, fp32w_linear, qdq_fp8
 
-__all__ = ["fp8_linear", "fp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8"]
+__all__ = [
+    "fp8_linear",
+    "fp4_linear",
+    "bf16_linear",
+    "fp32w_linear",
+    "qdq_fp8",
+    "paged_kv_write",
+    "paged_window_attention",
+]
