@@ -3,7 +3,9 @@
 * :class:`FP8Linear`, :class:`FP4Linear`, :class:`BF16Linear` — ``nn.Linear`` replacements
   (:mod:`torch_bq.nn.linear`);
 * :class:`CheckpointReader`, :func:`resolve_linear` and friends — the one loader for every
-  supported checkpoint layout (:mod:`torch_bq.nn.checkpoint`).
+  supported checkpoint layout (:mod:`torch_bq.nn.checkpoint`);
+* :class:`DrafterConfig`, :class:`DrafterLayer`, :class:`Drafter` — the DSpark
+  speculative-decoding drafter (:mod:`torch_bq.nn.drafter`), with :class:`GemmaRMSNorm`.
 """
 
 from .checkpoint import (
@@ -17,7 +19,10 @@ from .checkpoint import (
     read_linear,
     resolve_linear,
 )
+from .drafter import Drafter, DrafterLayer
+from .drafter_config import DrafterConfig
 from .linear import BF16Linear, FP4Linear, FP8Linear
+from .norm import GemmaRMSNorm
 
 __all__ = [
     "FP8Linear",
@@ -32,4 +37,8 @@ __all__ = [
     "detect_linear",
     "read_linear",
     "resolve_linear",
+    "DrafterConfig",
+    "DrafterLayer",
+    "Drafter",
+    "GemmaRMSNorm",
 ]
