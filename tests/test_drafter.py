@@ -7,6 +7,8 @@ sharing only the linear ops and the qdq rule, which have their own tests).
 
 import dataclasses
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -496,3 +498,11 @@ def test_layer_validation_and_switch_off():
     layer(step.hidden, step.positions, k_cache, v_cache, step.block_table, bad_slots, step.seq_lens)
     drafter.validate = False
     _call(drafter, step, slots=bad_slots)
+
+
+@pytest.mark.slow
+def test_docs_example_runs(capsys):
+    text = (Path(__file__).parent.parent / "docs" / "drafter.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", text, re.S)[0]
+    exec(compile(code, "docs/drafter.md", "exec"), {"__name__": "docs_example"})
+    assert "torch.Size([14, 256]) torch.bfloat16" in capsys.readouterr().out
