@@ -5,7 +5,7 @@
 * :class:`CheckpointReader`, :func:`resolve_linear` and friends — the one loader for every
   supported checkpoint layout (:mod:`torch_bq.nn.checkpoint`);
 * :func:`quantize_`, :func:`load_quantized_`, :func:`convert_checkpoint` — whole models and
-  checkpoints (:mod:`torch_bq.nn.convert`).
+  checkpoints (:mod:`torch_bq.nn.convert`);
 * :class:`DrafterConfig`, :class:`DrafterLayer`, :class:`Drafter` — the DSpark
   speculative-decoding drafter (:mod:`torch_bq.nn.drafter`), with :class:`GemmaRMSNorm`.
 """
