@@ -308,6 +308,7 @@ def test_compiled_drafter_equals_eager():
     eager_caches, compiled_caches = clone_caches(step.kv_caches), clone_caches(step.kv_caches)
     args = (step.positions,)
     eager = drafter(step.hidden, *args, eager_caches, step.block_table, step.slots, step.seq_lens)
+    # validate is on: fullgraph=True also proves the eager-only checks stay out of the graph.
     # Inductor otherwise keeps fused bf16 intermediates in float32 (skipping the
     # roundings SPEC.md §5 prescribes); with the casts emulated it matches eager bit for bit.
     with inductor_config.patch(emulate_precision_casts=True):
