@@ -138,7 +138,7 @@ def breakdown(layer: DrafterLayer, step, repeats: int, with_split: bool) -> dict
     times = {name: timed(fn, repeats) for name, fn in parts.items()}
     if with_split:
         times["(attention, split-K form)"] = timed(
-            lambda: paged_window_attention_split(q, k_cache, v_cache, *attn_args, *attn_kw.values()), repeats
+            lambda: paged_window_attention_split(q, k_cache, v_cache, *attn_args, **attn_kw), repeats
         )
     return times
 

@@ -158,9 +158,11 @@ def test_attention_matches_dense(impl, case):
     if impl == "op":
         out = torch_bq.ops.paged_window_attention(*args, rows_per_request=rpr, window=window, causal=causal)
     elif impl == "reference":
-        out = reference_attention(*args, rpr, window, causal, scale)
+        out = reference_attention(*args, rows_per_request=rpr, window=window, causal=causal, scale=scale)
     else:
-        out = paged_window_attention_split(*args, rpr, window, causal, scale, chunk_size=case["chunk_size"])
+        out = paged_window_attention_split(
+            *args, rows_per_request=rpr, window=window, causal=causal, scale=scale, chunk_size=case["chunk_size"]
+        )
     expected = dense_attention(q, keys, values, positions, seq_lens, rpr, window, causal, scale)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert not out.isnan().any()
@@ -172,10 +174,11 @@ def test_attention_matches_dense(impl, case):
 @given(case=attention_cases())
 def test_split_matches_reference(case):
     q, keys, values, k_cache, v_cache, table, positions, seq_lens = build(case)
-    args = (q, k_cache, v_cache, table, positions, seq_lens, case["rows_per_request"], case["window"], case["causal"])
+    args = (q, k_cache, v_cache, table, positions, seq_lens)
     scale = case["d"] ** -0.5
-    ref = reference_attention(*args, scale)
-    split = paged_window_attention_split(*args, scale, chunk_size=case["chunk_size"])
+    kw = dict(rows_per_request=case["rows_per_request"], window=case["window"], causal=case["causal"], scale=scale)
+    ref = reference_attention(*args, **kw)
+    split = paged_window_attention_split(*args, **kw, chunk_size=case["chunk_size"])
     # Each is within error_bound of the exact result, so of each other within twice that.
     bound = 2 * error_bound(q, keys, values, positions, seq_lens, case["rows_per_request"], case["window"], scale)
     assert (ref - split).abs().max().item() <= bound if ref.numel() else True
