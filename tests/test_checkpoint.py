@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 import checkpoint_fixtures as fx
-from linear_tolerance import assert_linear_close
+from torch_bq.testing import assert_linear_close
 from torch_bq import formats
 from torch_bq.nn import (
     BF16Linear,
@@ -493,3 +493,16 @@ def test_loaded_fp4_weight_decodes_exactly_for_any_shape(n, k, experts, seed):
     module = FP4Linear.from_checkpoint(sd, "p", expert=e, in_features=k)
     expected = formats.dequantize_fp4(packed[e * n:(e + 1) * n], scale[e * n:(e + 1) * n], k, torch.float32)
     assert torch.equal(module.dequantize(torch.float32).weight, expected)
+
+
+def test_read_linear_region_reads_arbitrary_slices(tmp_path):
+    from torch_bq.nn import read_linear
+
+    path = tmp_path / "g.safetensors"
+    t = fx.gpt_oss(path, prefix="e", experts=2, n=64, k=96)
+    layout = detect_linear(path, "e", expert=1)
+    w = read_linear(path, layout, region={"e_blocks": (slice(10, 20),), "e_scales": (slice(10, 20),)})
+    assert torch.equal(w.weight, t["e_blocks"][1, 10:20].reshape(10, 48))
+    assert torch.equal(w.bias, t["e_bias"][1]) and w.layout is layout  # not named: read whole
+    with pytest.raises(ValueError, match="rows/cols or region, not both"):
+        read_linear(path, layout, rows=(0, 32), region={"e_blocks": (slice(0, 1),)})

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from linear_tolerance import assert_linear_close
+from torch_bq.testing import assert_linear_close
 from torch_bq import formats
 from torch_bq.nn import BF16Linear, FP4Linear, FP8Linear
 

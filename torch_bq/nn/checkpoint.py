@@ -703,6 +703,7 @@ def read_linear(
     *,
     rows: Optional[Sequence[int]] = None,
     cols: Optional[Sequence[int]] = None,
+    region: Optional[Mapping[str, tuple]] = None,
 ) -> LinearWeights:
     """Read and validate the tensors ``layout`` names; nothing else is read.
 
@@ -714,15 +715,24 @@ def read_linear(
             Both must fall on scale-block boundaries (fp4: multiples of 32 along K).
             Only the selected bytes are read. The bias follows ``rows``; with
             ``cols`` the whole bias is returned and the caller decides which shard adds it.
+        region: the low-level form, instead of ``rows``/``cols``: ``tensor name -> index
+            tuple`` into the stored tensor (after ``layout.expert`` is selected); only
+            that part is read, tensors not named are read whole, ``layout`` is returned
+            unchanged, and a region on fp4 data skips the odd-``K`` padding-nibble check
+            (only the reader of the last columns can make it). For shards that do not
+            fall on block boundaries (:mod:`torch_bq.distributed`).
 
     Returns:
-        CPU tensors in our storage dtypes (see :class:`LinearWeights`); its
-        ``layout`` carries the shard's ``out_features``/``in_features``.
+        CPU tensors in our storage dtypes (see :class:`LinearWeights`); with
+        ``rows``/``cols`` its ``layout`` carries the shard's ``out_features``/``in_features``.
 
     Raises:
         CheckpointError: a tensor is unreadable or holds NaN codes (SPEC.md §1), or a
             shard boundary splits a scale block.
     """
+    if region is not None and (rows is not None or cols is not None):
+        raise ValueError("read_linear: pass rows/cols or region, not both")
+    region = {} if region is None else dict(region)
     n, k = layout.out_features, layout.in_features
     bn, bk = layout.block if layout.block is not None else (1, 1)
     n0, n1 = _check_span(rows, n, bn, "rows", layout.prefix)
@@ -733,13 +743,13 @@ def read_linear(
             if name is None:
                 return None
             stacked = layout.expert is not None and len(reader.shape(name)) == base_ndim + 1
-            if stacked:
-                index = (layout.expert, *index)
-            if not sharded and not stacked:
-                return reader.get(name)
-            if stacked and not sharded:
-                return reader.get_index(name, layout.expert)
-            return reader.get_slice(name)[index]
+            if region:
+                index = region.get(name)
+            elif not sharded:
+                index = None
+            if index is None:
+                return reader.get_index(name, layout.expert) if stacked else reader.get(name)
+            return reader.get_slice(name)[((layout.expert,) if stacked else ()) + tuple(index)]
 
         row_sl = slice(n0, n1)
         if layout.format == "fp8":
@@ -765,7 +775,7 @@ def read_linear(
             fmt_name = "fp8"
         elif layout.format == "fp4":
             if layout.layout == "gpt-oss":
-                weight = weight.reshape(layout.out_features, -1)  # [N, K/32, 16] -> [N, K/2], same byte order
+                weight = weight.reshape(weight.shape[0], -1)  # [N, K/32, 16] -> [N, K/2], same byte order
             weight = formats.as_fp4_bytes(weight, layout.weight_name)
             scale = scale.view(torch.float8_e8m0fnu)
             fmt_name = "fp4"
@@ -775,7 +785,8 @@ def read_linear(
             fmt_name = None
         if fmt_name is not None:
             try:
-                scan_nan_codes(weight, scale, name=layout.weight_name, fmt=fmt_name, in_features=layout.in_features)
+                k_check = None if layout.weight_name in region else layout.in_features
+                scan_nan_codes(weight, scale, name=layout.weight_name, fmt=fmt_name, in_features=k_check)
             except ValueError as e:
                 # formats names a scale "<weight>_scale"; say the checkpoint's own name instead
                 msg = str(e)
