@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch._inductor.config as inductor_config
 from safetensors.torch import save_file
 
@@ -287,6 +289,27 @@ def test_layer_matches_dense(weight_format, causal):
     at = (step.slots[written] // block_size, step.slots[written] % block_size)
     assert torch.allclose(k_cache[at].double(), k[written], rtol=2.0**-7, atol=0)
     assert torch.equal(v_cache[at].double(), v[written])
+
+
+@settings(max_examples=12)
+@given(
+    weight_format=st.sampled_from(["fp8", "bf16"]),
+    causal=st.booleans(),
+    block_size=st.sampled_from([1, 4, 16]),
+    requests=st.lists(st.tuples(st.integers(3, 40), st.integers(1, 3)), min_size=1, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_layer_matches_dense_property(weight_format, causal, block_size, requests, seed):
+    # Random request mixes: seq_lens below and above the window (11), 1-3 real rows per
+    # request (the rest padding), several block sizes, shuffled blocks. Bound as above.
+    config = dataclasses.replace(TINY, weight_format=weight_format, causal=causal, num_layers=1)
+    layer = make_drafter(config, seed=seed).layers[0]
+    seq_lens, real_rows = zip(*requests)
+    step = make_step(config, seed=seed, seq_lens=seq_lens, real_rows=real_rows, block_size=block_size)
+    k_cache, v_cache = step.kv_caches[0]
+    out = layer(step.hidden, step.positions, k_cache, v_cache, step.block_table, step.slots, step.seq_lens)
+    expected, _, _ = dense_layer(layer, step.hidden, step.positions, step.seq_lens, step.context[0])
+    assert (out.double() - expected).abs().max().item() <= 2.0**-7 * expected.abs().max().item()
 
 
 def test_drafter_stacks_layers_and_final_norm():
