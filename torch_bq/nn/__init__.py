@@ -5,7 +5,9 @@
 * :class:`CheckpointReader`, :func:`resolve_linear` and friends — the one loader for every
   supported checkpoint layout (:mod:`torch_bq.nn.checkpoint`);
 * :func:`quantize_`, :func:`load_quantized_`, :func:`convert_checkpoint` — whole models and
-  checkpoints (:mod:`torch_bq.nn.convert`).
+  checkpoints (:mod:`torch_bq.nn.convert`);
+* :class:`DrafterConfig`, :class:`DrafterLayer`, :class:`Drafter` — the DSpark
+  speculative-decoding drafter (:mod:`torch_bq.nn.drafter`), with :class:`GemmaRMSNorm`.
 """
 
 from .checkpoint import (
@@ -21,7 +23,10 @@ from .checkpoint import (
     resolve_linear,
 )
 from .convert import LoadReport, QuantizeReport, convert_checkpoint, load_quantized_, quantize_
+from .drafter import Drafter, DrafterLayer
+from .drafter_config import DrafterConfig
 from .linear import BF16Linear, FP4Linear, FP8Linear
+from .norm import GemmaRMSNorm
 
 __all__ = [
     "FP8Linear",
@@ -42,4 +47,8 @@ __all__ = [
     "convert_checkpoint",
     "QuantizeReport",
     "LoadReport",
+    "DrafterConfig",
+    "DrafterLayer",
+    "Drafter",
+    "GemmaRMSNorm",
 ]
