@@ -6,6 +6,7 @@ kernels are registered per device by the backend modules.
 
 from .attention import paged_kv_write, paged_window_attention
 from .linear import bf16_linear, fp4_linear, fp8_linear, fp32w_linear, qdq_fp8
+from . import autograd as _autograd  # noqa: F401,E402  (registers the input-gradient backwards)
 
 __all__ = [
     "fp8_linear",
