@@ -680,19 +680,34 @@ def _detect_gpt_oss(reader: CheckpointReader, prefix: str, expert: Optional[int]
 # =========================================================================== #
 
 
-def read_linear(source: Source, layout: LinearLayout) -> LinearWeights:
+def read_linear(
+    source: Source, layout: LinearLayout, *, region: Optional[Mapping[str, tuple]] = None
+) -> LinearWeights:
     """Read and validate the tensors ``layout`` names; nothing else is read.
 
     Returns CPU tensors in our storage dtypes (see :class:`LinearWeights`).
 
+    Args:
+        source: anything :class:`CheckpointReader` accepts, or a reader.
+        layout: from :func:`detect_linear`.
+        region: optional ``tensor name -> index tuple`` (slices of the stored tensor,
+            after ``layout.expert`` is selected); only that part of the tensor is read
+            (``safetensors`` slicing). Used by :mod:`torch_bq.distributed` to read one
+            rank's shard. A region on fp4 data skips the odd-``K`` padding-nibble check,
+            which only the reader of the last columns can make.
+
     Raises:
         CheckpointError: a tensor is unreadable or holds NaN codes (SPEC.md §1).
     """
+    region = {} if region is None else region
     with open_checkpoint(source) as reader:
         def read(name: Optional[str], base_ndim: int) -> Optional[torch.Tensor]:
             if name is None:
                 return None
-            if layout.expert is not None and len(reader.shape(name)) == base_ndim + 1:
+            stacked = layout.expert is not None and len(reader.shape(name)) == base_ndim + 1
+            if name in region:
+                return reader.get_slice(name)[((layout.expert,) if stacked else ()) + tuple(region[name])]
+            if stacked:
                 return reader.get_index(name, layout.expert)
             return reader.get(name)
 
@@ -707,7 +722,7 @@ def read_linear(source: Source, layout: LinearLayout) -> LinearWeights:
             fmt_name = "fp8"
         elif layout.format == "fp4":
             if layout.layout == "gpt-oss":
-                weight = weight.reshape(layout.out_features, -1)  # [N, K/32, 16] -> [N, K/2], same byte order
+                weight = weight.reshape(weight.shape[0], -1)  # [N, K/32, 16] -> [N, K/2], same byte order
             weight = formats.as_fp4_bytes(weight, layout.weight_name)
             scale = scale.view(torch.float8_e8m0fnu)
             fmt_name = "fp4"
@@ -716,8 +731,9 @@ def read_linear(source: Source, layout: LinearLayout) -> LinearWeights:
                 weight = weight.to(torch.float32)  # exact; runs as fp32w
             fmt_name = None
         if fmt_name is not None:
+            k = None if layout.weight_name in region else layout.in_features
             try:
-                scan_nan_codes(weight, scale, name=layout.weight_name, fmt=fmt_name, in_features=layout.in_features)
+                scan_nan_codes(weight, scale, name=layout.weight_name, fmt=fmt_name, in_features=k)
             except ValueError as e:
                 raise CheckpointError(str(e)) from None
         return LinearWeights(layout, weight, scale, bias)
