@@ -62,6 +62,11 @@ __all__ = [
 #: rounds, then all-gather the rounded rows: the seed's pattern, half the bytes gathered).
 REDUCTIONS = ("all_reduce", "scatter_gather")
 
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); older releases only
+# have the old ones. Both take (output, input, ...) with outputs concatenated along dim 0.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def group_rank_and_size(group: Optional[dist.ProcessGroup] = None) -> tuple[int, int]:
     """This process's rank in ``group`` (default: the world) and the group's size.
@@ -112,13 +117,16 @@ class ColumnParallelLinear(nn.Module):
         y = self.local(x)
         if not self.gather_output or self.world_size == 1:
             return y
+        if y.numel() == 0 and y.shape[-1] > 0:  # no rows: same on every rank, nothing to exchange
+            return y.new_empty(*y.shape[:-1], self.out_features)
         widths = [b - a for a, b in self.ranges]
         mine = _rows(y)
         wide = max(widths)
         # gloo's all-gather wants equal sizes; shards differ by at most one row.
         padded = F.pad(mine, (0, wide - mine.shape[1])).contiguous()
-        gathered = torch.empty(self.world_size, *padded.shape, dtype=padded.dtype, device=padded.device)
-        dist.all_gather_into_tensor(gathered, padded, group=self.group)
+        gathered = torch.empty(self.world_size * padded.shape[0], wide, dtype=padded.dtype, device=padded.device)
+        _all_gather_flat(gathered, padded, group=self.group)
+        gathered = gathered.reshape(self.world_size, -1, wide)
         out = torch.cat([gathered[r, :, :w] for r, w in enumerate(widths)], dim=-1)
         return out.reshape(*y.shape[:-1], self.out_features)
 
@@ -215,16 +223,18 @@ class RowParallelLinear(nn.Module):
 
     def _scatter_gather(self, partial: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         p, (m, n) = self.world_size, partial.shape
+        if m == 0:  # the same on every rank: nothing to exchange
+            return self._finish_rows(partial, out_dtype)
         per = -(-m // p)
-        # Row i goes to rank i % P: [per * P, N] -> [P, per, N] with rank r's rows contiguous.
+        # Row i goes to rank i % P: reorder [per * P, N] so rank r's rows are the r-th block.
         padded = F.pad(partial, (0, 0, 0, per * p - m))
-        by_owner = padded.reshape(per, p, n).transpose(0, 1).contiguous()
+        by_owner = padded.reshape(per, p, n).transpose(0, 1).reshape(p * per, n).contiguous()
         owned = torch.empty(per, n, dtype=torch.float32, device=partial.device)
-        dist.reduce_scatter_tensor(owned, by_owner, group=self.group)
+        _reduce_scatter_flat(owned, by_owner, group=self.group)
         done = self._finish_rows(owned, out_dtype).contiguous()
-        gathered = torch.empty(p, per, n, dtype=out_dtype, device=partial.device)
-        dist.all_gather_into_tensor(gathered, done, group=self.group)
-        return gathered.transpose(0, 1).reshape(per * p, n)[:m]
+        gathered = torch.empty(p * per, n, dtype=out_dtype, device=partial.device)
+        _all_gather_flat(gathered, done, group=self.group)
+        return gathered.reshape(p, per, n).transpose(0, 1).reshape(per * p, n)[:m]
 
     def _quantize(self, a: torch.Tensor) -> torch.Tensor:
         """qdq of this rank's columns ``a`` ``[M, k1 - k0]`` with the full blocks' scales (bf16)."""
@@ -237,7 +247,8 @@ class RowParallelLinear(nn.Module):
         padded = F.pad(a.to(torch.bfloat16).to(torch.float32), (lead, trail))
         amax = torch.zeros(a.shape[0], -(-self.in_features // blk), dtype=torch.float32, device=a.device)
         amax[:, b0:b0 + nb] = padded.reshape(a.shape[0], nb, blk).abs().amax(dim=-1)
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        if a.shape[0]:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
         # qdq_fp8 takes each block's amax from its elements, so a padding slot of each cut
         # block is set to the block's true amax (a bf16 value, so it is unchanged by qdq's own
         # bf16 rounding) and the rank's columns then quantize exactly as in the full row.
