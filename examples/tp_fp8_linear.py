@@ -1,9 +1,9 @@
 """A tensor-parallel fp8 MLP loaded from a checkpoint, each rank reading only its slices.
 
-Run (see docs/distributed.md)::
+Run from the repository root (see docs/distributed.md)::
 
-    python examples/tp_fp8_linear.py --write /tmp/tp_fp8.safetensors
-    torchrun --standalone --nproc-per-node 4 examples/tp_fp8_linear.py /tmp/tp_fp8.safetensors
+    python -m examples.tp_fp8_linear --write /tmp/tp_fp8.safetensors
+    torchrun --standalone --nproc-per-node 4 -m examples.tp_fp8_linear /tmp/tp_fp8.safetensors
 
 ``up`` ([96, 256], fp8 32x32 blocks) is column-parallel without gather: 96 rows over
 4 ranks is 24 rows a rank, so three of the four shards start inside a scale block.
