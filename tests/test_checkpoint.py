@@ -317,7 +317,7 @@ def test_nan_codes_rejected_with_tensor_and_index(tmp_path, where):
         bad = t["layers.0.ffn.w2.scale"].view(torch.uint8).clone()
         bad[2, 1] = 255
         t["layers.0.ffn.w2.scale"] = bad.view(torch.float8_e8m0fnu)
-        match = r"layers.0.ffn.w2.weight_scale: found NaN e8m0 code 255 at index \[2, 1\]"
+        match = r"layers.0.ffn.w2.scale: found NaN e8m0 code 255 at index \[2, 1\]"
     save_file(t, path)
     with pytest.raises(CheckpointError, match=match):
         FP8Linear.from_checkpoint(path, "layers.0.ffn.w2")
@@ -338,7 +338,7 @@ def test_non_finite_float32_scale_rejected():
     d, s = formats.quantize_fp8(torch.randn(256, 256), (128, 128), torch.float32)
     s = s.clone()
     s[1, 0] = float("inf")
-    with pytest.raises(CheckpointError, match=r"x.weight_scale: found a non-finite or non-positive scale at index \[1, 0\]"):
+    with pytest.raises(CheckpointError, match=r"x.weight_scale_inv: found a non-finite or non-positive scale at index \[1, 0\]"):
         FP8Linear.from_checkpoint({"x.weight": d, "x.weight_scale_inv": s}, "x")
 
 

@@ -4,6 +4,8 @@
   (:mod:`torch_bq.nn.linear`);
 * :class:`CheckpointReader`, :func:`resolve_linear` and friends — the one loader for every
   supported checkpoint layout (:mod:`torch_bq.nn.checkpoint`);
+* :func:`quantize_`, :func:`load_quantized_`, :func:`convert_checkpoint` — whole models and
+  checkpoints (:mod:`torch_bq.nn.convert`);
 * :class:`DrafterConfig`, :class:`DrafterLayer`, :class:`Drafter` — the DSpark
   speculative-decoding drafter (:mod:`torch_bq.nn.drafter`), with :class:`GemmaRMSNorm`.
 """
@@ -19,6 +21,7 @@ from .checkpoint import (
     read_linear,
     resolve_linear,
 )
+from .convert import LoadReport, QuantizeReport, convert_checkpoint, load_quantized_, quantize_
 from .drafter import Drafter, DrafterLayer
 from .drafter_config import DrafterConfig
 from .linear import BF16Linear, FP4Linear, FP8Linear
@@ -37,6 +40,11 @@ __all__ = [
     "detect_linear",
     "read_linear",
     "resolve_linear",
+    "quantize_",
+    "load_quantized_",
+    "convert_checkpoint",
+    "QuantizeReport",
+    "LoadReport",
     "DrafterConfig",
     "DrafterLayer",
     "Drafter",

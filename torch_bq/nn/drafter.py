@@ -31,7 +31,7 @@ from torch import nn
 from .. import ops
 from ..reference.attention import check_paged_metadata
 from ..reference.transformer import apply_rope, clamped_swiglu, rope_cos_sin
-from .checkpoint import CheckpointError, Source, build_module, open_checkpoint, resolve_linear
+from .checkpoint import CheckpointError, MissingTensorError, Source, build_module, open_checkpoint, resolve_linear
 from .drafter_config import DrafterConfig
 from .linear import BF16Linear, FP8Linear
 from .norm import GemmaRMSNorm
@@ -362,16 +362,25 @@ def _build(weights, config: DrafterConfig, device) -> nn.Module:
     return build_module(weights, device=device, act_quant=config.act_quant, act_peak=config.act_peak)
 
 
-def _load_linear(reader, prefix: str, config: DrafterConfig, device) -> nn.Module:
-    weights = resolve_linear(reader, prefix, block=config.fp8_block)
+def _resolve(reader, prefix: str, config: DrafterConfig):
+    try:
+        weights = resolve_linear(reader, prefix, block=config.fp8_block)
+    except MissingTensorError:
+        raise
+    except CheckpointError as e:
+        raise CheckpointError(f"{e} (config.weight_format={config.weight_format!r})") from None
     _check_format(weights, config, prefix)
+    return weights
+
+
+def _load_linear(reader, prefix: str, config: DrafterConfig, device) -> nn.Module:
+    weights = _resolve(reader, prefix, config)
     return _build(weights, config, device)
 
 
 def _load_fused_qkv(reader, base: str, config: DrafterConfig, device) -> nn.Module:
-    parts = [resolve_linear(reader, f"{base}{p}_proj", block=config.fp8_block) for p in "qkv"]
+    parts = [_resolve(reader, f"{base}{p}_proj", config) for p in "qkv"]
     for p, w in zip("qkv", parts):
-        _check_format(w, config, f"{base}{p}_proj")
         if w.bias is not None:
             raise CheckpointError(f"{base}{p}_proj.bias: the drafter's qkv projection has no bias")
     if len({w.in_features for w in parts}) != 1:

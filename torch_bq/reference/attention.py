@@ -292,25 +292,27 @@ def paged_window_attention(
     """``[R, Hq, d]`` attention over the paged cache; see :func:`torch_bq.ops.paged_window_attention`.
 
     One request at a time: gather its visible keys into a dense ``[L, Hkv, d]``
-    array, mask per row, plain float32 softmax.
+    array, mask per row, plain float32 softmax. Query heads are viewed as
+    ``[Hkv, group]`` so each KV head is read once, not once per query head.
     """
     check_attention_args(q, k_cache, v_cache, block_table, positions, seq_lens, rows_per_request, window, causal, scale)
     rows, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     group = hq // hkv
-    out = torch.empty(rows, hq, d, dtype=torch.float32, device=q.device)
+    out = torch.empty(rows, hkv, group, d, dtype=torch.float32, device=q.device)
     lo, hi = visible_range(positions, seq_lens, rows_per_request, window)
     for r in range(rows // rows_per_request):
         mine = slice(r * rows_per_request, (r + 1) * rows_per_request)
         j = torch.arange(int(lo[r]), int(hi[r]), device=q.device)  # cache positions read
         block = block_table[r, j // block_size].to(torch.int64)
-        k = k_cache[block, j % block_size].to(torch.float32).repeat_interleave(group, dim=1)  # [L, Hq, d]
-        v = v_cache[block, j % block_size].to(torch.float32).repeat_interleave(group, dim=1)
+        k = k_cache[block, j % block_size].to(torch.float32)  # [L, Hkv, d]
+        v = v_cache[block, j % block_size].to(torch.float32)
         p = positions[mine, None]
-        visible = j[None, :] >= p - window + 1  # j < seq_len holds by construction of j
+        visible = j[None, :] >= p - window + 1  # [rows, L]; j < seq_len holds by construction
         if causal:
             visible = visible & (j[None, :] <= p)
-        scores = torch.einsum("rhd,lhd->hrl", q[mine].to(torch.float32), k) * scale
+        qr = q[mine].to(torch.float32).view(rows_per_request, hkv, group, d)
+        scores = torch.einsum("rkgd,lkd->kgrl", qr, k) * scale
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-        out[mine] = torch.einsum("hrl,lhd->rhd", probs, v)
-    return out.to(q.dtype)
+        out[mine] = torch.einsum("kgrl,lkd->rkgd", probs, v)
+    return out.view(rows, hq, d).to(q.dtype)
