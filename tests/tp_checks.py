@@ -309,6 +309,26 @@ def write_checkpoints(root: Path) -> None:
         elif fmt != "bf16":
             tensors[f"{prefix}.weight_scale"] = m.weight_scale
         save_file({key: v.contiguous() for key, v in tensors.items()}, str(path))
+    write_drafter_checkpoints(root)
+
+
+def write_drafter_checkpoints(root: Path) -> None:
+    """``drafter_fused.safetensors`` (qkv_proj) and ``drafter_split.safetensors`` (q/k/v_proj) of TINY24."""
+    from safetensors.torch import save_file
+
+    c = TINY24
+    state = {k: v.contiguous() for k, v in make_drafter(c).state_dict().items()}
+    save_file(state, str(root / "drafter_fused.safetensors"))
+    split = {}
+    q, kv, bn = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.fp8_block[0]
+    for key, value in state.items():
+        if ".qkv_proj." not in key:
+            split[key] = value
+            continue
+        per_row = 1 if key.endswith(".weight") else bn  # scale rows cover bn weight rows
+        for name, a, b in (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)):
+            split[key.replace("qkv_proj", name)] = value[a // per_row:b // per_row].contiguous()
+    save_file(split, str(root / "drafter_split.safetensors"))
 
 
 # --------------------------------------------------------------------------- #
@@ -319,6 +339,9 @@ TINY = DrafterConfig(
     hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=32, rotary_dim=16,
     rope_theta=1e4, sliding_window=11, intermediate_size=96, rows_per_request=3, num_layers=2,
 )
+# head_dim 24: a rank's q/k/v rows and o_proj columns start inside 32-wide blocks
+# (k rows at 24, 48, 72 on 4 ranks), and I = 96 over 4 ranks cuts the down_proj qdq blocks.
+TINY24 = dataclasses.replace(TINY, head_dim=24, rotary_dim=8)
 
 
 def make_drafter(config: DrafterConfig, seed: int = 0) -> Drafter:
@@ -431,7 +454,41 @@ def tp_drafter_layer_fp8(ctx):
 
 @check
 def tp_drafter_stack_fp8(ctx):
-    _drafter_case(TINY, ctx, layer_only=False)
+    _drafter_case(TINY24, ctx, layer_only=False)
+
+
+@check
+def tp_drafter_from_checkpoint_equals_sharded_module(ctx):
+    from torch_bq.distributed import kv_head_range, tensor_parallel_from_checkpoint
+
+    expected = tensor_parallel(make_drafter(TINY24))
+    step = make_step(TINY24)
+    for name in ("drafter_fused", "drafter_split"):
+        loaded = tensor_parallel_from_checkpoint(Path(ctx["ckpt"]) / f"{name}.safetensors", config=TINY24)
+        same = all(_same_state(a, b) for a, b in zip(loaded.modules(), expected.modules())
+                   if isinstance(a, (FP8Linear, BF16Linear)))
+        expect(same and loaded.state_dict().keys() == expected.state_dict().keys(), name)
+        expect(loaded.config == expected.config and loaded.full_config == TINY24, name)
+        outs = []
+        for module in (loaded, expected):
+            h0, h1 = kv_head_range(TINY24, ctx["rank"], ctx["world_size"])
+            caches = [(k[:, :, h0:h1].clone(), v[:, :, h0:h1].clone()) for k, v in step["caches"]]
+            outs.append(module(step["hidden"], step["positions"], caches, step["block_table"], step["slots"],
+                               step["seq_lens"]))
+        expect(torch.equal(outs[0], outs[1]), name)
+
+
+@check
+def tp_drafter_refuses_full_caches(ctx):
+    tp = tensor_parallel(make_drafter(TINY))
+    step = make_step(TINY)
+    try:
+        tp(step["hidden"], step["positions"], step["caches"], step["block_table"], step["slots"], step["seq_lens"])
+        message = ""
+    except ValueError as e:
+        message = str(e)
+    local = 4 // ctx["world_size"]
+    expect(f"expected shape [num_blocks, block_size, {local}, 32]" in message, message)
 
 
 @check

@@ -11,7 +11,7 @@
 See docs/distributed.md.
 """
 
-from .drafter import kv_head_range, local_config, tensor_parallel
+from .drafter import kv_head_range, local_config, tensor_parallel, tensor_parallel_from_checkpoint
 from .linear import (
     REDUCTIONS,
     ColumnParallelLinear,
@@ -30,6 +30,7 @@ __all__ = [
     "column_parallel_from_checkpoint",
     "row_parallel_from_checkpoint",
     "tensor_parallel",
+    "tensor_parallel_from_checkpoint",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "RowShard",

@@ -20,17 +20,21 @@ float32 order of those two sums (and of the gemms' own blocking).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..nn.drafter import Drafter, DrafterLayer
+from ..nn.checkpoint import CheckpointError, Source, detect_linear, open_checkpoint
+from ..nn.drafter import _NORMS, Drafter, DrafterLayer, _check_format, _load_norm
 from ..nn.drafter_config import DrafterConfig
-from .linear import group_rank_and_size, row_parallel_over
-from .sharding import column_shard, split_range
+from ..nn.linear import BF16Linear, FP8Linear
+from .linear import RowParallelLinear, group_rank_and_size, row_parallel_over
+from .sharding import column_shard, read_column_shard, read_row_shard, split_range
 
-__all__ = ["tensor_parallel", "local_config", "kv_head_range"]
+__all__ = ["tensor_parallel", "tensor_parallel_from_checkpoint", "local_config", "kv_head_range"]
 
 
 def kv_head_range(config: DrafterConfig, rank: int, world_size: int) -> tuple[int, int]:
@@ -72,25 +76,49 @@ def local_config(config: DrafterConfig, rank: int, world_size: int) -> DrafterCo
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Rank ``rank``'s rows / columns of each drafter linear (full-layer coordinates)."""
+
+    rank: int
+    size: int
+    q_rows: tuple[int, int]  # of q_proj, i.e. of the fused qkv's first Hq * d rows
+    kv_rows: tuple[int, int]  # of k_proj / v_proj
+    heads: list  # every rank's o_proj input columns
+    ffn: list  # every rank's gate/up rows = down columns
+
+    @classmethod
+    def of(cls, config: DrafterConfig, rank: int, size: int) -> "_Plan":
+        d, q_per = config.head_dim, config.num_attention_heads // size
+        h0, h1 = kv_head_range(config, rank, size)
+        heads = [(r * q_per * d, (r + 1) * q_per * d) for r in range(size)]
+        ffn = [split_range(config.intermediate_size, r, size) for r in range(size)]
+        return cls(rank, size, heads[rank], (h0 * d, h1 * d), heads, ffn)
+
+    def qkv_rows(self, config: DrafterConfig) -> list[tuple[int, int]]:
+        """The three row ranges (q | k | v) of the fused ``qkv_proj``."""
+        q, (a, b) = config.num_attention_heads * config.head_dim, self.kv_rows
+        kv = config.num_key_value_heads * config.head_dim
+        return [self.q_rows, (q + a, q + b), (q + kv + a, q + kv + b)]
+
+
+def _new_layer(config: DrafterConfig, plan: _Plan, validate: bool) -> DrafterLayer:
+    out = DrafterLayer(local_config(config, plan.rank, plan.size), device="meta", validate=validate)
+    out.tp_rank, out.tp_size, out.full_config = plan.rank, plan.size, config
+    return out
+
+
 def _shard_layer(layer: DrafterLayer, rank: int, size: int, group) -> DrafterLayer:
-    c, d = layer.config, layer.config.head_dim
-    hq, hkv = c.num_attention_heads, c.num_key_value_heads
-    q_per = hq // size
-    h0, h1 = kv_head_range(c, rank, size)
-    q_rows = (rank * q_per * d, (rank + 1) * q_per * d)
-    k_rows = ((hq + h0) * d, (hq + h1) * d)
-    v_rows = ((hq + hkv + h0) * d, (hq + hkv + h1) * d)
-    out = DrafterLayer(local_config(c, rank, size), device="meta", validate=layer.validate)
-    for name in ("input_layernorm", "q_norm", "k_norm", "post_attention_layernorm"):
+    c = layer.config
+    plan = _Plan.of(c, rank, size)
+    out = _new_layer(c, plan, layer.validate)
+    for name in _NORMS:
         setattr(out, name, getattr(layer, name))
-    out.qkv_proj = column_shard(layer.qkv_proj, [q_rows, k_rows, v_rows])
-    heads = [(r * q_per * d, (r + 1) * q_per * d) for r in range(size)]
-    out.o_proj = row_parallel_over(layer.o_proj, heads, rank, group, input_is_parallel=True)
-    ffn = [split_range(c.intermediate_size, r, size) for r in range(size)]
-    out.gate_proj = column_shard(layer.gate_proj, [ffn[rank]])
-    out.up_proj = column_shard(layer.up_proj, [ffn[rank]])
-    out.down_proj = row_parallel_over(layer.down_proj, ffn, rank, group, input_is_parallel=True)
-    out.tp_rank, out.tp_size, out.full_config = rank, size, c
+    out.qkv_proj = column_shard(layer.qkv_proj, plan.qkv_rows(c))
+    out.o_proj = row_parallel_over(layer.o_proj, plan.heads, rank, group, input_is_parallel=True)
+    out.gate_proj = column_shard(layer.gate_proj, [plan.ffn[rank]])
+    out.up_proj = column_shard(layer.up_proj, [plan.ffn[rank]])
+    out.down_proj = row_parallel_over(layer.down_proj, plan.ffn, rank, group, input_is_parallel=True)
     return out
 
 
@@ -121,3 +149,101 @@ def tensor_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] = None
     out.norm = module.norm
     out.tp_rank, out.tp_size, out.full_config = rank, size, module.config
     return out
+
+
+# --------------------------------------------------------------------------- #
+# straight from a checkpoint
+# --------------------------------------------------------------------------- #
+
+
+def tensor_parallel_from_checkpoint(
+    source: Source,
+    prefix: str = "",
+    *,
+    config: Optional[DrafterConfig] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    device="cpu",
+    validate: bool = True,
+) -> Drafter:
+    """This rank's :func:`tensor_parallel` shard of a drafter checkpoint, reading only its slices.
+
+    Same names and layouts as :meth:`torch_bq.nn.Drafter.from_checkpoint` (a fused
+    ``qkv_proj`` or separate ``q_proj``/``k_proj``/``v_proj``); each linear is read
+    with ``safetensors`` slicing (the rank's rows or columns and the scale blocks
+    covering them), the norms whole. The result is the module :func:`tensor_parallel`
+    returns for the full drafter, bit for bit.
+
+    Raises:
+        CheckpointError / MissingTensorError: as :meth:`Drafter.from_checkpoint`.
+        ValueError: the heads do not split over the group.
+    """
+    config = DrafterConfig() if config is None else config
+    rank, size = group_rank_and_size(group)
+    plan = _Plan.of(config, rank, size)
+    out = Drafter(local_config(config, rank, size), device="meta", validate=validate)
+    out.tp_rank, out.tp_size, out.full_config = rank, size, config
+    opts = {} if config.weight_format == "bf16" else dict(act_quant=config.act_quant, act_peak=config.act_peak)
+    c, d = config, config.head_dim
+    shapes = dict(qkv_proj=(c.qkv_size, c.hidden_size), o_proj=(c.hidden_size, c.num_attention_heads * d),
+                  gate_proj=(c.intermediate_size, c.hidden_size), up_proj=(c.intermediate_size, c.hidden_size),
+                  down_proj=(c.hidden_size, c.intermediate_size), q_proj=(c.num_attention_heads * d, c.hidden_size),
+                  k_proj=(c.num_key_value_heads * d, c.hidden_size), v_proj=(c.num_key_value_heads * d, c.hidden_size))
+
+    def layout(reader, name: str, base: str):
+        found = detect_linear(reader, base + name, block=config.fp8_block)
+        _check_format(found, config, base + name)
+        if (found.out_features, found.in_features) != shapes[name]:
+            raise CheckpointError(
+                f"{base}{name}.weight: expected a {list(shapes[name])} layer for this config, "
+                f"got {[found.out_features, found.in_features]}"
+            )
+        return found
+
+    def row(reader, name: str, base: str, ranges) -> RowParallelLinear:
+        shard = read_row_shard(reader, layout(reader, name, base), *ranges[rank], **opts)
+        return RowParallelLinear(shard, ranges, out_features=c.hidden_size, act_quant=opts.get("act_quant", False),
+                                 act_peak=getattr(shard.module, "act_peak", c.act_peak), input_is_parallel=True,
+                                 reduce="all_reduce", group=group, rank=rank)
+
+    with open_checkpoint(source) as reader:
+        layers = []
+        for i in range(config.num_layers):
+            base = f"{prefix}layers.{i}."
+            layer = _new_layer(config, plan, validate=False)
+            if f"{base}qkv_proj.weight" not in reader and f"{base}q_proj.weight" in reader:
+                parts = [read_column_shard(reader, layout(reader, f"{p}_proj", base), [rows], **opts)
+                         for p, rows in zip("qkv", (plan.q_rows, plan.kv_rows, plan.kv_rows))]
+                layer.qkv_proj = _stack_rows(parts, f"{base}q_proj/k_proj/v_proj")
+            else:
+                layer.qkv_proj = read_column_shard(reader, layout(reader, "qkv_proj", base), plan.qkv_rows(c), **opts)
+            layer.o_proj = row(reader, "o_proj", base, plan.heads)
+            for name in ("gate_proj", "up_proj"):
+                setattr(layer, name, read_column_shard(reader, layout(reader, name, base), [plan.ffn[rank]], **opts))
+            layer.down_proj = row(reader, "down_proj", base, plan.ffn)
+            for name in _NORMS:
+                _load_norm(reader, base + name, getattr(layer, name), device)
+            layers.append(layer.to(device))
+        out.layers = nn.ModuleList(layers)
+        _load_norm(reader, f"{prefix}norm", out.norm, device)
+    return out
+
+
+def _stack_rows(parts: list, name: str) -> nn.Module:
+    """One module whose output is the concatenation of ``parts``' outputs (q | k | v shards).
+
+    fp8 parts may carry different row blocks (each re-expressed for where its shard
+    starts); they are brought to their gcd, which divides every part's block and every
+    part's length but the last, so each fine block stays inside one block of its part.
+    """
+    if isinstance(parts[0], BF16Linear):
+        return BF16Linear.from_quantized(torch.cat([p.weight for p in parts]), name=name)
+    if len({p.weight_scale.dtype for p in parts}) != 1:
+        raise CheckpointError(f"{name}: scale dtypes differ ({[p.weight_scale.dtype for p in parts]}); cannot fuse")
+    fine = math.gcd(*(p.block[0] for p in parts), *(p.out_features for p in parts[:-1]))
+    scales = []
+    for p in parts:
+        rows = -(-p.out_features // fine)
+        scales.append(p.weight_scale.repeat_interleave(p.block[0] // fine, dim=0)[:rows])
+    first = parts[0]
+    return FP8Linear.from_quantized(torch.cat([p.weight for p in parts]), torch.cat(scales), block=(fine, first.block[1]),
+                                    act_quant=first.act_quant, act_peak=first.act_peak, name=name)
