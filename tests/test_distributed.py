@@ -160,6 +160,14 @@ def test_dense_shards_are_slices():
     assert torch.equal(part.bias, layer.bias)
 
 
+def test_shards_do_not_keep_the_full_weight_alive():
+    layer = _fp8(96, 64, (32, 32), torch.float8_e8m0fnu)
+    layer.bias = torch.randn(96)
+    shard, part = column_shard(layer, [(24, 48)]), row_shard(layer, 24, 48)
+    for t in (shard.weight, shard.weight_scale, shard.bias, part.module.weight, part.module.weight_scale, part.bias):
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
 def test_meta_modules_shard_to_meta():
     layer = FP8Linear(64, 96, bias=True, device="meta")
     shard = column_shard(layer, [(24, 48)])

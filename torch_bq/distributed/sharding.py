@@ -289,7 +289,12 @@ def row_shard_from_tensors(spec: LinearSpec, k0: int, k1: int, piece: dict, name
 
 def _module_piece(linear: nn.Module, region: dict[str, tuple]) -> dict[str, torch.Tensor]:
     stored = {"weight": linear.weight, "scale": getattr(linear, "weight_scale", None), "bias": linear.bias}
-    return {kind: t if kind not in region else t[region[kind]] for kind, t in stored.items() if t is not None}
+    # Copies, not views: a view would keep the whole full-size weight alive in every shard.
+    return {
+        kind: (t if kind not in region else t[region[kind]]).clone(memory_format=torch.contiguous_format)
+        for kind, t in stored.items()
+        if t is not None
+    }
 
 
 def column_shard(linear: nn.Module, ranges: Sequence[Range]) -> nn.Module:
