@@ -25,6 +25,7 @@ from torch_bq.distributed import (
     split_range,
     tensor_parallel,
 )
+from torch_bq.distributed.linear import block_amax, qdq_with_block_amax
 from torch_bq.distributed.sharding import read_column_shard, read_row_shard
 from torch_bq.nn import BF16Linear, CheckpointReader, DrafterConfig, DrafterLayer, FP4Linear, FP8Linear, detect_linear
 
@@ -110,6 +111,19 @@ def test_fp8_non_aligned_shards_use_the_finest_exact_block():
     # An odd start falls back to one scale row per weight row, still exact.
     odd = column_shard(layer, [(7, 40)])
     assert odd.block == (1, 32) and torch.equal(tp_checks.decoded(odd), tp_checks.decoded(layer)[7:40])
+
+
+@given(n=st.integers(2, 200), bn=st.sampled_from([1, 4, 32, 128]), cuts=st.lists(st.integers(0, 199), min_size=2,
+       max_size=6), f32=st.booleans())
+def test_any_multi_range_fp8_column_shard_decodes_exactly(n, bn, cuts, f32):
+    layer = _fp8(n, 40, (bn, 32), torch.float32 if f32 else torch.float8_e8m0fnu)
+    points = sorted({c % (n + 1) for c in cuts})
+    ranges = [(a, b) for a, b in zip(points[::2], points[1::2]) if a < b]
+    if not ranges:
+        return
+    shard = column_shard(layer, ranges)
+    full = tp_checks.decoded(layer)
+    assert torch.equal(tp_checks.decoded(shard), torch.cat([full[a:b] for a, b in ranges]))
 
 
 def test_multi_range_column_shard_is_the_concatenation():
@@ -206,6 +220,26 @@ def test_kv_heads_split_or_replicate(hq, hkv, world, expected):
 def test_kv_head_splits_that_cannot_work_are_refused(hq, hkv, world, match):
     with pytest.raises(ValueError, match=match):
         kv_head_range(DrafterConfig(num_attention_heads=hq, num_key_value_heads=hkv), 0, world)
+
+
+@given(k=st.integers(1, 200), world=st.integers(1, 7), rows=st.integers(0, 4), seed=st.integers(0, 2**16),
+       peak=st.sampled_from([224.0, 448.0]))
+def test_cut_qdq_blocks_quantize_like_the_full_row(k, world, rows, seed, peak):
+    # Emulates the exchange of RowParallelLinear: each rank's block maxima, maximized over
+    # the ranks (the all-reduce), then each rank quantizes its columns alone.
+    world = min(world, k)
+    x = tp_checks.make_input(k, lead=(rows,), seed=seed)
+    x[..., 5::32] *= 1e-3  # some values deep in a block's subnormal range
+    ranges = [split_range(k, r, world) for r in range(world)]
+    nb = -(-k // 32)
+    amax = torch.zeros(rows, nb)
+    for k0, k1 in ranges:
+        part = block_amax(x[:, k0:k1], k0)
+        amax[:, k0 // 32:k0 // 32 + part.shape[1]] = torch.maximum(amax[:, k0 // 32:k0 // 32 + part.shape[1]], part)
+    full = formats.qdq_fp8(x, peak)
+    for k0, k1 in ranges:
+        got = qdq_with_block_amax(x[:, k0:k1], k0, amax[:, k0 // 32:-(-k1 // 32)], peak)
+        assert torch.equal(got.view(torch.int16), full[:, k0:k1].view(torch.int16))
 
 
 # --------------------------------------------------------------------------- #

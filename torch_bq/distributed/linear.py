@@ -53,6 +53,8 @@ __all__ = [
     "column_parallel_from_checkpoint",
     "row_parallel_from_checkpoint",
     "row_parallel_over",
+    "block_amax",
+    "qdq_with_block_amax",
     "group_rank_and_size",
     "REDUCTIONS",
 ]
@@ -241,22 +243,13 @@ class RowParallelLinear(nn.Module):
         if not self.exchange_amax:
             return ops.qdq_fp8(a, self.act_peak)
         blk = formats.QDQ_BLOCK
-        lead, trail = self.k0 % blk, -self.k1 % blk
-        b0, nb = self.k0 // blk, -(-self.k1 // blk) - self.k0 // blk
-        # Align to the full layer's blocks; the padding holds zeros, which never raise an amax.
-        padded = F.pad(a.to(torch.bfloat16).to(torch.float32), (lead, trail))
+        b0 = self.k0 // blk
+        mine = block_amax(a, self.k0)
         amax = torch.zeros(a.shape[0], -(-self.in_features // blk), dtype=torch.float32, device=a.device)
-        amax[:, b0:b0 + nb] = padded.reshape(a.shape[0], nb, blk).abs().amax(dim=-1)
+        amax[:, b0:b0 + mine.shape[1]] = mine
         if a.shape[0]:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-        # qdq_fp8 takes each block's amax from its elements, so a padding slot of each cut
-        # block is set to the block's true amax (a bf16 value, so it is unchanged by qdq's own
-        # bf16 rounding) and the rank's columns then quantize exactly as in the full row.
-        if lead:
-            padded[:, 0] = amax[:, b0]
-        if trail:
-            padded[:, -1] = amax[:, b0 + nb - 1]
-        return ops.qdq_fp8(padded, self.act_peak)[:, lead:lead + a.shape[1]]
+        return qdq_with_block_amax(a, self.k0, amax[:, b0:b0 + mine.shape[1]], self.act_peak)
 
     def extra_repr(self) -> str:
         return (
@@ -264,6 +257,50 @@ class RowParallelLinear(nn.Module):
             f"out_features={self.out_features}, reduce={self.reduce}, input_is_parallel={self.input_is_parallel}, "
             f"exchange_amax={self.exchange_amax}"
         )
+
+
+def block_amax(a: torch.Tensor, k0: int) -> torch.Tensor:
+    """Per-row maxima of ``|bf16(a)|`` over each 32-wide qdq block of the full row that ``a`` overlaps.
+
+    Args:
+        a: ``[M, w]`` columns ``[k0, k0 + w)`` of the full activation.
+        k0: where ``a`` starts in the full row.
+
+    Returns:
+        float32 ``[M, ceil((k0 + w) / 32) - k0 // 32]``: column ``j`` is full block ``k0 // 32 + j``,
+        over ``a``'s part of it only (the max over all ranks' parts is the block's amax).
+    """
+    blk = formats.QDQ_BLOCK
+    lead, trail = k0 % blk, -(k0 + a.shape[1]) % blk
+    # Align to the full row's blocks; the padding holds zeros, which never raise an amax.
+    padded = F.pad(a.to(torch.bfloat16).to(torch.float32), (lead, trail))
+    return padded.reshape(a.shape[0], padded.shape[1] // blk, blk).abs().amax(dim=-1)
+
+
+def qdq_with_block_amax(a: torch.Tensor, k0: int, amax: torch.Tensor, peak: float) -> torch.Tensor:
+    """SPEC.md §3 qdq of columns ``[k0, k0 + w)`` of a row whose blocks' amax is ``amax``.
+
+    Args:
+        a: ``[M, w]`` the columns.
+        k0: where ``a`` starts in the full row.
+        amax: ``[M, nb]`` the full blocks' ``max |bf16(x)|`` (as :func:`block_amax` lays them out,
+            maximized over every part of each block).
+        peak: the qdq peak.
+
+    Returns:
+        ``[M, w]`` bfloat16, bitwise ``qdq_fp8(x, peak)[:, k0:k0 + w]`` of the full row ``x``.
+    """
+    blk = formats.QDQ_BLOCK
+    lead, trail = k0 % blk, -(k0 + a.shape[1]) % blk
+    padded = F.pad(a.to(torch.bfloat16).to(torch.float32), (lead, trail))
+    # qdq_fp8 takes each block's amax from its elements, so one padding slot of each block cut
+    # at the edges gets the block's true amax (a bf16 value, unchanged by qdq's own bf16
+    # rounding); the columns then quantize exactly as in the full row, with the same op.
+    if lead:
+        padded[:, 0] = amax[:, 0]
+    if trail:
+        padded[:, -1] = amax[:, -1]
+    return ops.qdq_fp8(padded, peak)[:, lead:lead + a.shape[1]]
 
 
 def _sizes_ranges(size: int, world_size: int) -> list[tuple[int, int]]:
