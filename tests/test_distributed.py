@@ -363,5 +363,8 @@ def rank_results(tmp_path_factory, checkpoints):
 @pytest.mark.parametrize("check", list(tp_checks.CHECKS))
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_gloo(rank_results, world, check):
-    failures = [f"rank {r}:\n{res[check]}" for r, res in enumerate(rank_results[world]) if res[check] != "ok"]
+    outcomes = [res[check] for res in rank_results[world]]
+    if all(o.startswith("skip: ") for o in outcomes):
+        pytest.skip(outcomes[0][len("skip: "):])
+    failures = [f"rank {r}:\n{o}" for r, o in enumerate(outcomes) if o != "ok"]
     assert not failures, "\n".join(failures)

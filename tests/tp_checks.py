@@ -191,7 +191,7 @@ def compiled_fullgraph_matches_eager(ctx):
     # AOTAutograd must functionalize them. Inductor gave bitwise the same results when run
     # by hand but costs ~30 s a module on 2 cores, so the suite stops at aot_eager.
     if ctx["world_size"] != 2:
-        return
+        return "run on 2 ranks only (compiling is slow)"
     full = make_layer("fp8", 96, 96, seed=4)
     x = make_input(96, lead=(3,))
     for module in (column_parallel(full), row_parallel(full), row_parallel(full, reduce="scatter_gather")):
@@ -273,7 +273,7 @@ def _same_state(a, b) -> bool:
 def subgroups_shard_independently(ctx):
     rank, size = ctx["rank"], ctx["world_size"]
     if size != 4:
-        return
+        return "needs 4 ranks"
     # new_group must be called by every rank for every group, in the same order.
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     group = groups[rank // 2]
@@ -546,7 +546,10 @@ def docs_example_runs(ctx):
 
 def worker(rank: int, world_size: int, init_file: str, ckpt: str, out_dir: str, only=None) -> None:
     """Join the gloo group, run every check (or those named in ``only``), write
-    ``{check: "ok" | traceback}`` to ``out_dir/rank{rank}.json``."""
+    ``{check: "ok" | "skip: why" | traceback}`` to ``out_dir/rank{rank}.json``.
+
+    A check returns ``None`` when it ran, or a reason string when it does not apply.
+    """
     torch.set_num_threads(1)  # 2-4 ranks share 2 cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=120))
@@ -556,8 +559,8 @@ def worker(rank: int, world_size: int, init_file: str, ckpt: str, out_dir: str, 
         if only and name not in only:
             continue
         try:
-            fn(ctx)
-            results[name] = "ok"
+            skipped = fn(ctx)
+            results[name] = "ok" if skipped is None else f"skip: {skipped}"
         except Exception:
             results[name] = traceback.format_exc()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
