@@ -417,7 +417,7 @@ def sqnr_db(actual, expected) -> float:
     return float(10 * torch.log10(expected.double().pow(2).sum() / noise)) if noise > 0 else math.inf
 
 
-def _drafter_case(config: DrafterConfig, ctx, layer_only: bool) -> None:
+def _drafter_case(config: DrafterConfig, ctx, layer_only: bool, reduce: str = "all_reduce") -> None:
     from torch_bq.distributed import kv_head_range
 
     rank, size = ctx["rank"], ctx["world_size"]
@@ -429,12 +429,12 @@ def _drafter_case(config: DrafterConfig, ctx, layer_only: bool) -> None:
     args = (step["positions"],)
     meta = (step["block_table"], step["slots"], step["seq_lens"])
     if layer_only:
-        tp = tensor_parallel(full.layers[0])
+        tp = tensor_parallel(full.layers[0], reduce=reduce)
         out = tp(step["hidden"], *args, *local_caches[0], *meta)
         ref = full.layers[0](step["hidden"], *args, *full_caches[0], *meta)
         used = 1
     else:
-        tp = tensor_parallel(full)
+        tp = tensor_parallel(full, reduce=reduce)
         out = tp(step["hidden"], *args, local_caches, *meta)
         ref = full(step["hidden"], *args, full_caches, *meta)
         used = config.num_layers
@@ -506,8 +506,9 @@ def tp_drafter_refuses_full_caches(ctx):
 
 
 @check
-def tp_drafter_mxfp8_causal(ctx):
-    _drafter_case(dataclasses.replace(TINY, weight_format="mxfp8", causal=True), ctx, layer_only=False)
+def tp_drafter_mxfp8_causal_scatter_gather(ctx):
+    config = dataclasses.replace(TINY, weight_format="mxfp8", causal=True)
+    _drafter_case(config, ctx, layer_only=False, reduce="scatter_gather")
 
 
 @check

@@ -11,8 +11,8 @@ Rank ``r`` of ``P`` holds:
 * every norm whole (they act on full rows or on one head).
 
 ``o_proj`` and ``down_proj`` are row-parallel: float32 partial sums over the rank's
-heads / FFN columns are all-reduced, so every rank continues with the same residual
-stream. Attention, RoPE, the q/k norms and the SwiGLU are per head or per element and
+heads / FFN columns are summed across ranks (all-reduce, or the seed's reduce-scatter to
+the row's owner then all-gather), so every rank continues with the same residual stream. Attention, RoPE, the q/k norms and the SwiGLU are per head or per element and
 run unchanged on the rank's part. The result equals the single-rank layer up to the
 float32 order of those two sums (and of the gemms' own blocking).
 """
@@ -108,21 +108,23 @@ def _new_layer(config: DrafterConfig, plan: _Plan, validate: bool) -> DrafterLay
     return out
 
 
-def _shard_layer(layer: DrafterLayer, rank: int, size: int, group) -> DrafterLayer:
+def _shard_layer(layer: DrafterLayer, rank: int, size: int, group, reduce: str) -> DrafterLayer:
     c = layer.config
     plan = _Plan.of(c, rank, size)
     out = _new_layer(c, plan, layer.validate)
     for name in _NORMS:
         setattr(out, name, getattr(layer, name))
     out.qkv_proj = column_shard(layer.qkv_proj, plan.qkv_rows(c))
-    out.o_proj = row_parallel_over(layer.o_proj, plan.heads, rank, group, input_is_parallel=True)
+    out.o_proj = row_parallel_over(layer.o_proj, plan.heads, rank, group, input_is_parallel=True, reduce=reduce)
     out.gate_proj = column_shard(layer.gate_proj, [plan.ffn[rank]])
     out.up_proj = column_shard(layer.up_proj, [plan.ffn[rank]])
-    out.down_proj = row_parallel_over(layer.down_proj, plan.ffn, rank, group, input_is_parallel=True)
+    out.down_proj = row_parallel_over(layer.down_proj, plan.ffn, rank, group, input_is_parallel=True,
+                                      reduce=reduce)
     return out
 
 
-def tensor_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] = None) -> nn.Module:
+def tensor_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] = None, *,
+                    reduce: str = "all_reduce") -> nn.Module:
     """This rank's shard of a full :class:`DrafterLayer` or :class:`Drafter` (possibly on ``meta``).
 
     The returned module is a ``DrafterLayer``/``Drafter`` whose ``config`` holds the rank's
@@ -132,6 +134,10 @@ def tensor_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] = None
     (``Hkv / P``, or 1 replicated head when ``Hkv < P``); block tables, slots and the other
     metadata are the same on every rank. Every rank returns the full ``[R, H]`` output.
     ``forward`` is collective: call it on every rank of ``group``.
+
+    ``reduce`` picks how o_proj and down_proj sum their partials: ``"all_reduce"`` or
+    ``"scatter_gather"`` (the seed's reduce-scatter to row owner ``row % P``, then
+    all-gather; see :data:`torch_bq.distributed.REDUCTIONS`).
 
     Raises:
         TypeError: ``module`` is neither a ``DrafterLayer`` nor a ``Drafter``.
@@ -143,9 +149,9 @@ def tensor_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] = None
     rank, size = group_rank_and_size(group)
     kv_head_range(module.config, rank, size)  # refuse before building anything
     if isinstance(module, DrafterLayer):
-        return _shard_layer(module, rank, size, group)
+        return _shard_layer(module, rank, size, group, reduce)
     out = Drafter(local_config(module.config, rank, size), device="meta", validate=module.validate)
-    out.layers = nn.ModuleList(_shard_layer(layer, rank, size, group) for layer in module.layers)
+    out.layers = nn.ModuleList(_shard_layer(layer, rank, size, group, reduce) for layer in module.layers)
     out.norm = module.norm
     out.tp_rank, out.tp_size, out.full_config = rank, size, module.config
     return out
@@ -164,6 +170,7 @@ def tensor_parallel_from_checkpoint(
     group: Optional[dist.ProcessGroup] = None,
     device="cpu",
     validate: bool = True,
+    reduce: str = "all_reduce",
 ) -> Drafter:
     """This rank's :func:`tensor_parallel` shard of a drafter checkpoint, reading only its slices.
 
@@ -172,6 +179,15 @@ def tensor_parallel_from_checkpoint(
     with ``safetensors`` slicing (the rank's rows or columns and the scale blocks
     covering them), the norms whole. The result is the module :func:`tensor_parallel`
     returns for the full drafter, bit for bit.
+
+    Args:
+        source: ``.safetensors`` file, directory, mapping of tensors or reader.
+        prefix: prepended to every name, e.g. ``"model.mtp."``.
+        config: the full drafter's config (default: :class:`DrafterConfig` ()).
+        group: the process group to split over (default: the world).
+        device: where the shard's tensors end up.
+        validate: the module's ``validate``.
+        reduce: as for :func:`tensor_parallel`.
 
     Raises:
         CheckpointError / MissingTensorError: as :meth:`Drafter.from_checkpoint`.
@@ -203,7 +219,7 @@ def tensor_parallel_from_checkpoint(
         shard = read_row_shard(reader, layout(reader, name, base), *ranges[rank], **opts)
         return RowParallelLinear(shard, ranges, out_features=c.hidden_size, act_quant=opts.get("act_quant", False),
                                  act_peak=getattr(shard.module, "act_peak", c.act_peak), input_is_parallel=True,
-                                 reduce="all_reduce", group=group, rank=rank)
+                                 reduce=reduce, group=group, rank=rank)
 
     with open_checkpoint(source) as reader:
         layers = []
