@@ -15,6 +15,7 @@ while building them, and a 1 GiB bandwidth probe.
 """
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -55,16 +56,18 @@ def random_fp8_layer(config: DrafterConfig, gen: torch.Generator) -> DrafterLaye
         n, k = old.out_features, old.in_features
         magnitude = torch.randint(0, 0x7F, (n, k), dtype=torch.uint8, generator=gen)  # 0x7F is NaN
         sign = torch.randint(0, 2, (n, k), dtype=torch.uint8, generator=gen) << 7
-        codes = torch.randint(118, 122, formats.fp8_scale_shape((n, k), config.fp8_block), dtype=torch.uint8, generator=gen)
+        grid = formats.fp8_scale_shape((n, k), config.fp8_block)
+        codes = torch.randint(118, 122, grid, dtype=torch.uint8, generator=gen)
         setattr(layer, name, FP8Linear.from_quantized(magnitude | sign, codes, block=config.fp8_block))
     for norm in (layer.input_layernorm, layer.q_norm, layer.k_norm, layer.post_attention_layernorm):
-        norm.weight = torch.nn.Parameter(0.1 * torch.randn(norm.dim, generator=gen).to(torch.bfloat16), requires_grad=False)
+        w = (0.1 * torch.randn(norm.dim, generator=gen)).to(torch.bfloat16)
+        norm.weight = torch.nn.Parameter(w, requires_grad=False)
     return layer
 
 
 def bf16_copy(layer: DrafterLayer) -> DrafterLayer:
     """The same layer with every linear decoded to bf16 (exact) and run by ``bf16_linear``."""
-    config = DrafterConfig(**{**layer.config.__dict__, "weight_format": "bf16"})
+    config = dataclasses.replace(layer.config, weight_format="bf16")
     out = DrafterLayer(config, device="meta")
     for name in LINEARS:
         src = getattr(layer, name)
@@ -135,7 +138,7 @@ def breakdown(layer: DrafterLayer, step, repeats: int, with_split: bool) -> dict
     times = {name: timed(fn, repeats) for name, fn in parts.items()}
     if with_split:
         times["(attention, split-K form)"] = timed(
-            lambda: paged_window_attention_split(q, k_cache, v_cache, *attn_args, *attn_kw.values()), repeats
+            lambda: paged_window_attention_split(q, k_cache, v_cache, *attn_args, **attn_kw), repeats
         )
     return times
 

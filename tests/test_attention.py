@@ -158,9 +158,11 @@ def test_attention_matches_dense(impl, case):
     if impl == "op":
         out = torch_bq.ops.paged_window_attention(*args, rows_per_request=rpr, window=window, causal=causal)
     elif impl == "reference":
-        out = reference_attention(*args, rpr, window, causal, scale)
+        out = reference_attention(*args, rows_per_request=rpr, window=window, causal=causal, scale=scale)
     else:
-        out = paged_window_attention_split(*args, rpr, window, causal, scale, chunk_size=case["chunk_size"])
+        out = paged_window_attention_split(
+            *args, rows_per_request=rpr, window=window, causal=causal, scale=scale, chunk_size=case["chunk_size"]
+        )
     expected = dense_attention(q, keys, values, positions, seq_lens, rpr, window, causal, scale)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert not out.isnan().any()
@@ -172,10 +174,11 @@ def test_attention_matches_dense(impl, case):
 @given(case=attention_cases())
 def test_split_matches_reference(case):
     q, keys, values, k_cache, v_cache, table, positions, seq_lens = build(case)
-    args = (q, k_cache, v_cache, table, positions, seq_lens, case["rows_per_request"], case["window"], case["causal"])
+    args = (q, k_cache, v_cache, table, positions, seq_lens)
     scale = case["d"] ** -0.5
-    ref = reference_attention(*args, scale)
-    split = paged_window_attention_split(*args, scale, chunk_size=case["chunk_size"])
+    kw = dict(rows_per_request=case["rows_per_request"], window=case["window"], causal=case["causal"], scale=scale)
+    ref = reference_attention(*args, **kw)
+    split = paged_window_attention_split(*args, **kw, chunk_size=case["chunk_size"])
     # Each is within error_bound of the exact result, so of each other within twice that.
     bound = 2 * error_bound(q, keys, values, positions, seq_lens, case["rows_per_request"], case["window"], scale)
     assert (ref - split).abs().max().item() <= bound if ref.numel() else True
@@ -370,11 +373,20 @@ def test_valid_sample_passes():
     [
         (lambda a: a.update(positions=a["positions"][:5]), {}, ValueError, r"positions: expected shape \[6\]"),
         (lambda a: None, {"rows_per_request": 4}, ValueError, "not a multiple of rows_per_request"),
-        (lambda a: a["positions"].__setitem__(1, 7), {}, ValueError, r"row 1 \(request 0\) has position 7, outside \[0, seq_len = 7\)"),
+        (
+            lambda a: a["positions"].__setitem__(1, 7), {}, ValueError,
+            r"row 1 \(request 0\) has position 7, outside \[0, seq_len = 7\)",
+        ),
         (lambda a: a["positions"].__setitem__(0, -1), {}, ValueError, "row 0 .* position -1"),
         (lambda a: a["seq_lens"].__setitem__(1, 0), {}, ValueError, "request 1 has seq_len 0"),
-        (lambda a: a["seq_lens"].__setitem__(1, 40), {}, ValueError, "block_table: request 1 has seq_len 40, which needs 10 blocks of 4, but the table has only 4 columns"),
-        (lambda a: a["block_table"].__setitem__((1, 2), 99), {}, ValueError, r"request 1, logical block 2 maps to physical block 99, outside the cache's \[0, "),
+        (
+            lambda a: a["seq_lens"].__setitem__(1, 40), {}, ValueError,
+            "block_table: request 1 has seq_len 40, which needs 10 blocks of 4, but the table has only 4 columns",
+        ),
+        (
+            lambda a: a["block_table"].__setitem__((1, 2), 99), {}, ValueError,
+            r"request 1, logical block 2 maps to physical block 99, outside the cache's \[0, ",
+        ),
         (lambda a: a["block_table"].__setitem__((1, 2), -1), {}, ValueError, "logical block 2 maps to physical block -1"),
         (lambda a: a.update(block_table=a["block_table"].long()), {}, TypeError, "block_table: expected dtype torch.int32"),
         (lambda a: a.update(positions=a["positions"].int()), {}, TypeError, "positions: expected dtype torch.int64"),
@@ -400,21 +412,25 @@ def test_metadata_checked_only_when_asked():
         _attend(a, validate=False)
 
 
-def _write_args(slots):
-    k = torch.zeros(len(slots), 2, 8)
-    return k, k.clone(), torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8), torch.tensor(slots, dtype=torch.int64)
+def _write_args(slots=(0, 1), k_shape=(2, 2, 8), k_dtype=torch.float32, cache_shape=(3, 4, 2, 8),
+                v_cache_shape=None, slot_dtype=torch.int64):
+    k = torch.zeros(k_shape, dtype=k_dtype)
+    v = torch.zeros(k_shape)
+    k_cache = torch.zeros(cache_shape)
+    v_cache = torch.zeros(v_cache_shape or cache_shape)
+    return k, v, k_cache, v_cache, torch.tensor(slots, dtype=slot_dtype)
 
 
 @pytest.mark.parametrize(
     "args,error,match",
     [
         (_write_args([0, 12]), ValueError, r"slots: row 1 writes slot 12, outside the cache's 3 blocks x 4 = 12 slots"),
-        (_write_args([5, -1, 5]), ValueError, "slot 5 is written by more than one row"),
-        ((torch.zeros(2, 2, 8), torch.zeros(2, 2, 8), torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8), torch.tensor([0, 1], dtype=torch.int32)), TypeError, "slots: expected dtype torch.int64"),
-        ((torch.zeros(2, 2, 8).bfloat16(), torch.zeros(2, 2, 8), torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8), torch.tensor([0, 1])), TypeError, "k: expected dtype torch.float32"),
-        ((torch.zeros(2, 1, 8), torch.zeros(2, 1, 8), torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8), torch.tensor([0, 1])), ValueError, r"k: expected shape \[2, 2, 8\]"),
-        ((torch.zeros(2, 2, 8), torch.zeros(2, 2, 8), torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 4), torch.tensor([0, 1])), ValueError, "v_cache: expected shape"),
-        ((torch.zeros(2, 2, 8), torch.zeros(2, 2, 8), torch.zeros(3, 4, 16), torch.zeros(3, 4, 16), torch.tensor([0, 1])), ValueError, "k_cache: expected a 4-D"),
+        (_write_args([5, -1, 5], k_shape=(3, 2, 8)), ValueError, "slot 5 is written by more than one row"),
+        (_write_args(slot_dtype=torch.int32), TypeError, "slots: expected dtype torch.int64"),
+        (_write_args(k_dtype=torch.bfloat16), TypeError, "k: expected dtype torch.float32"),
+        (_write_args(k_shape=(2, 1, 8)), ValueError, r"k: expected shape \[2, 2, 8\]"),
+        (_write_args(v_cache_shape=(3, 4, 2, 4)), ValueError, "v_cache: expected shape"),
+        (_write_args(cache_shape=(3, 4, 16)), ValueError, "k_cache: expected a 4-D"),
     ],
 )
 def test_kv_write_errors(args, error, match):
@@ -432,5 +448,6 @@ def test_metadata_slot_must_match_table():
     slots[3] = home
     check_paged_metadata(a["positions"], a["seq_lens"], a["block_table"], slots=slots, **common)
     slots[3] = home - 1
-    with pytest.raises(ValueError, match=f"row 3 \\(request 1, position 11\\) writes slot {home - 1}, but the block table places that position at slot {home}"):
+    message = f"row 3 \\(request 1, position 11\\) writes slot {home - 1}, but the block table places that position at slot {home}"
+    with pytest.raises(ValueError, match=message):
         check_paged_metadata(a["positions"], a["seq_lens"], a["block_table"], slots=slots, **common)

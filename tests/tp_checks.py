@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from linear_tolerance import assert_linear_close
+from torch_bq.testing import assert_linear_close
 from torch_bq import formats, ops
 from torch_bq.distributed import (
     REDUCTIONS,
@@ -217,7 +217,7 @@ def row_parallel_matches_one_rank(ctx):
                     rp = row_parallel(full, input_is_parallel=parallel_input, reduce=reduce)
                     y = rp(x[..., k0:k1] if parallel_input else x)
                     expect(y.shape == (2, 3, n) and y.dtype == x.dtype, (fmt, y.shape))
-                    # assert_linear_close's (K + 1) * 2**-24 * mag covers any order of the float32
+                    # assert_linear_close's gamma(K + 1) * sum|products| covers any order of the float32
                     # sum: here each rank sums k1 - k0 products and the P partials are added in
                     # P - 1 more steps, depth (K/P + P) <= K + 1 for these shapes.
                     expect_linear_close(y, a, w, full.bias)

@@ -253,7 +253,9 @@ class Drafter(nn.Module):
             raise TypeError(f"config: expected a DrafterConfig, got {type(config).__name__}")
         self.config = config
         self.validate = validate
-        self.layers = nn.ModuleList(DrafterLayer(config, device=device, validate=False) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DrafterLayer(config, device=device, validate=False) for _ in range(config.num_layers)
+        )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, device=device)
 
     def forward(
@@ -328,7 +330,8 @@ class Drafter(nn.Module):
             for i, layer in enumerate(drafter.layers):
                 base = f"{prefix}layers.{i}."
                 for name in _LINEARS:
-                    if name == "qkv_proj" and f"{base}qkv_proj.weight" not in reader and f"{base}q_proj.weight" in reader:
+                    separate = f"{base}qkv_proj.weight" not in reader and f"{base}q_proj.weight" in reader
+                    if name == "qkv_proj" and separate:
                         module = _load_fused_qkv(reader, base, config, device)
                     else:
                         module = _load_linear(reader, base + name, config, device)

@@ -21,35 +21,18 @@ from ..reference import attention as ref
 __all__ = ["paged_kv_write", "paged_window_attention"]
 
 
-@torch.library.custom_op("torch_bq::paged_kv_write", mutates_args=("k_cache", "v_cache"))
-def _paged_kv_write(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
-) -> None:
-    ref.paged_kv_write(k, v, k_cache, v_cache, slots)
+# The reference functions carry the schemas' annotations, so they are the op bodies as they are.
+_paged_kv_write = torch.library.custom_op(
+    "torch_bq::paged_kv_write", ref.paged_kv_write, mutates_args=("k_cache", "v_cache")
+)
+_paged_window_attention = torch.library.custom_op(
+    "torch_bq::paged_window_attention", ref.paged_window_attention, mutates_args=()
+)
 
 
 @_paged_kv_write.register_fake
 def _(k, v, k_cache, v_cache, slots):
     ref.check_kv_write_args(k, v, k_cache, v_cache, slots)
-
-
-@torch.library.custom_op("torch_bq::paged_window_attention", mutates_args=())
-def _paged_window_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    positions: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    rows_per_request: int,
-    window: int,
-    causal: bool,
-    scale: float,
-) -> torch.Tensor:
-    return ref.paged_window_attention(
-        q, k_cache, v_cache, block_table, positions, seq_lens, rows_per_request, window, causal, scale
-    )
 
 
 @_paged_window_attention.register_fake

@@ -229,10 +229,8 @@ def check_paged_metadata(
         return
     check_slots(slots, num_blocks=num_blocks, block_size=block_size)
     _check_shape("slots", slots, (rows,), "one slot per row")
-    # Rows past the visible range cannot be reached through the table above; clamp
-    # the lookup so that the comparison itself stays in bounds.
-    block_col = (positions // block_size).clamp_max(max_blocks - 1)
-    home = block_table[request_of_row, block_col].to(torch.int64) * block_size + positions % block_size
+    # Every position lies in its request's visible range, so its table entry was checked above.
+    home = block_table[request_of_row, positions // block_size].to(torch.int64) * block_size + positions % block_size
     i = _first((slots >= 0) & (slots != home))
     if i is not None:
         raise ValueError(
@@ -284,6 +282,7 @@ def paged_window_attention(
     block_table: torch.Tensor,
     positions: torch.Tensor,
     seq_lens: torch.Tensor,
+    *,
     rows_per_request: int,
     window: int,
     causal: bool,

@@ -90,6 +90,7 @@ def paged_window_attention_split(
     block_table: torch.Tensor,
     positions: torch.Tensor,
     seq_lens: torch.Tensor,
+    *,
     rows_per_request: int,
     window: int,
     causal: bool,
