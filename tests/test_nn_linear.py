@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
@@ -57,8 +56,8 @@ def _bytes(t):
     [
         *[lambda lin, aq, o=o: FP8Linear.from_linear(lin, act_quant=aq, **o) for o in FP8_OPTIONS],
         lambda lin, aq: FP4Linear.from_linear(lin, act_quant=aq),
-        lambda lin, aq: BF16Linear.from_linear(lin, keep_fp32=False),
-        lambda lin, aq: BF16Linear.from_linear(lin),  # a float32 weight stays float32 (fp32w)
+        lambda lin, aq: BF16Linear.from_linear(lin),
+        lambda lin, aq: BF16Linear.from_linear(lin, keep_fp32=True),
     ],
     ids=["fp8-32x32", "fp8-128x128-f32", "fp8-1x32", "fp4", "bf16", "fp32w"],
 )
@@ -171,10 +170,10 @@ def test_module_wide_casts_leave_quantized_storage_alone(cast):
                                      "double": torch.float64}[cast]
 
 
-def test_bf16_module_follows_the_linear_dtype_and_keeps_it_through_casts():
-    assert BF16Linear.from_linear(_linear(16, 4).bfloat16()).weight.dtype == torch.bfloat16
-    assert BF16Linear.from_linear(_linear(16, 4).half()).weight.dtype == torch.float32  # exact widening
-    module = BF16Linear.from_linear(_linear(16, 4))
+def test_bf16_module_storage_and_casts():
+    assert BF16Linear.from_linear(_linear(16, 4)).weight.dtype == torch.bfloat16
+    assert BF16Linear.from_linear(_linear(16, 4).half(), keep_fp32=True).weight.dtype == torch.float32
+    module = BF16Linear.from_linear(_linear(16, 4), keep_fp32=True)
     module.half()
     assert module.weight.dtype == torch.float32
     assert "fp32w" in repr(module)
@@ -272,7 +271,7 @@ def test_from_quantized_shape_and_dtype_errors():
         FP8Linear.from_linear(_linear(100, 36)),
         FP8Linear.from_linear(_linear(100, 36), block=(128, 128), scale_dtype=torch.float32),
         FP4Linear.from_linear(_linear(101, 36)),
-        BF16Linear.from_linear(_linear(100, 36), keep_fp32=False),
+        BF16Linear.from_linear(_linear(100, 36)),
     ],
     ids=["fp8", "fp8-f32", "fp4", "bf16"],
 )
@@ -374,7 +373,7 @@ def _integer_linear(k, n):
     [
         lambda lin: FP8Linear.from_linear(lin),
         lambda lin: FP4Linear.from_linear(lin),
-        lambda lin: BF16Linear.from_linear(lin, keep_fp32=False),
+        lambda lin: BF16Linear.from_linear(lin),
     ],
     ids=["fp8", "fp4", "bf16"],
 )
@@ -390,8 +389,8 @@ def test_gradcheck_input_gradient_float64(make):
         lambda lin: FP8Linear.from_linear(lin),
         lambda lin: FP8Linear.from_linear(lin, block=(128, 128), scale_dtype=torch.float32),
         lambda lin: FP4Linear.from_linear(lin),
-        lambda lin: BF16Linear.from_linear(lin, keep_fp32=False),
         lambda lin: BF16Linear.from_linear(lin),
+        lambda lin: BF16Linear.from_linear(lin, keep_fp32=True),
     ],
     ids=["fp8", "fp8-f32", "fp4", "bf16", "fp32w"],
 )

@@ -96,7 +96,6 @@ _ST_DTYPES = {
 }
 
 _E8M0 = (torch.float8_e8m0fnu, torch.uint8)
-_FP4_DATA = (torch.uint8, torch.int8, torch.float4_e2m1fn_x2)
 _DENSE = (torch.bfloat16, torch.float32, torch.float16)
 _SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".scale")
 

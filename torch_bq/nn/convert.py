@@ -27,7 +27,6 @@ from .checkpoint import (
     INDEX_NAME,
     CheckpointError,
     CheckpointReader,
-    LinearWeights,
     MissingTensorError,
     Source,
     build_module,

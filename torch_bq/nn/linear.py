@@ -579,17 +579,15 @@ class BF16Linear(_QuantizedLinear):
         return module
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, keep_fp32: Optional[bool] = None) -> "BF16Linear":
-        """Wrap an ``nn.Linear``'s weight (copied).
+    def from_linear(cls, linear: nn.Linear, *, keep_fp32: bool = False) -> "BF16Linear":
+        """Wrap an ``nn.Linear``'s weight (copied), rounded to bf16 (``bf16_linear``).
 
-        By default a float32 (or float16, widened exactly) weight stays float32 and
-        runs through ``fp32w_linear``; a bf16 weight runs through ``bf16_linear``.
-        ``keep_fp32=False`` rounds to bf16 up front (half the bytes, same results);
-        ``keep_fp32=True`` forces float32 storage.
+        ``keep_fp32=True`` stores it as float32 instead (float16 widens exactly) and runs
+        ``fp32w_linear``, which narrows to bf16 inside the op: the same results for twice
+        the bytes. Float32 weights loaded with :meth:`from_checkpoint` or
+        :meth:`from_quantized` stay float32 (``fp32w``).
         """
         _check_linear(linear)
-        if keep_fp32 is None:
-            keep_fp32 = linear.weight.dtype != torch.bfloat16
         w = linear.weight.detach().to(torch.float32 if keep_fp32 else torch.bfloat16, copy=True)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls.from_quantized(w, bias)
