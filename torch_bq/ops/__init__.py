@@ -4,6 +4,7 @@ Each op's default body is the reference of :mod:`torch_bq.reference`; faster
 kernels are registered per device by the backend modules.
 """
 
+from .grouped import fp4_grouped_linear, fp8_grouped_linear
 from .linear import bf16_linear, fp4_linear, fp8_linear, fp32w_linear, qdq_fp8
 
-__all__ = ["fp8_linear", "fp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8"]
+__all__ = ["fp8_linear", "fp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8", "fp8_grouped_linear", "fp4_grouped_linear"]

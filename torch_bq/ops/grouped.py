@@ -1,0 +1,153 @@
+"""The ``torch_bq::`` grouped (mixture-of-experts) linear ops: schema, fake, reference body.
+
+A grouped linear runs one block-quantized linear per expert over rows that are
+already sorted by expert, with ``offsets`` in the ``torch._grouped_mm``
+convention (``int32 [E]`` cumulative end offsets). The offsets are a tensor
+argument, so a caller under ``torch.compile(fullgraph=True)`` never branches on
+routing data: the op is one graph node whose output shape ``[T, N]`` depends
+only on shapes.
+"""
+
+from typing import Optional, Sequence
+
+import torch
+
+from .. import formats
+from ..reference import grouped as ref
+
+__all__ = ["fp8_grouped_linear", "fp4_grouped_linear"]
+
+
+# --------------------------------------------------------------------------- #
+# op definitions
+# --------------------------------------------------------------------------- #
+
+
+@torch.library.custom_op("torch_bq::fp8_grouped_linear", mutates_args=())
+def _fp8_grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    offsets: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    block: Sequence[int],
+    act_quant: bool,
+    act_peak: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return ref.fp8_grouped_linear(x, weight, scale, offsets, bias, block, act_quant, act_peak, out_dtype)
+
+
+@_fp8_grouped_linear.register_fake
+def _(x, weight, scale, offsets, bias, block, act_quant, act_peak, out_dtype):
+    ref.check_fp8_grouped_args(x, weight, scale, offsets, bias, block, act_quant, act_peak, out_dtype)
+    return x.new_empty((x.shape[0], weight.shape[1]), dtype=out_dtype)
+
+
+@torch.library.custom_op("torch_bq::fp4_grouped_linear", mutates_args=())
+def _fp4_grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    offsets: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    act_quant: bool,
+    act_peak: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return ref.fp4_grouped_linear(x, weight, scale, offsets, bias, act_quant, act_peak, out_dtype)
+
+
+@_fp4_grouped_linear.register_fake
+def _(x, weight, scale, offsets, bias, act_quant, act_peak, out_dtype):
+    ref.check_fp4_grouped_args(x, weight, scale, offsets, bias, act_quant, act_peak, out_dtype)
+    return x.new_empty((x.shape[0], weight.shape[1]), dtype=out_dtype)
+
+
+# --------------------------------------------------------------------------- #
+# public wrappers
+# --------------------------------------------------------------------------- #
+
+
+def fp8_grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    offsets: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    block: Sequence[int] = (32, 32),
+    act_quant: bool = True,
+    act_peak: float = formats.DEFAULT_ACT_PEAK,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """One block-scaled fp8 linear per expert over rows sorted by expert.
+
+    Rows ``offsets[e-1]:offsets[e]`` of ``x`` (``offsets[-1]`` taken as 0) give rows
+    of the output computed exactly as :func:`torch_bq.ops.fp8_linear` with
+    ``weight[e]``, ``scale[e]`` and ``bias[e]``. Experts with no rows are skipped.
+
+    Args:
+        x: ``[T, K]`` any float dtype, rows sorted by expert; ``T`` may be 0.
+        weight: ``[E, N, K]`` ``float8_e4m3fn`` (or ``uint8`` bytes).
+        scale: ``[E, ceil(N/bn), ceil(K/bk)]`` e8m0 (``float8_e8m0fnu``/``uint8``) or
+            float32, always multiplied.
+        offsets: ``[E]`` ``int32`` cumulative end offsets (``torch._grouped_mm``
+            convention): non-decreasing, ``offsets[E-1] == T``.
+        bias: ``[E, N]`` any float dtype, or ``None``.
+        block: ``(bn, bk)`` of every expert's weight.
+        act_quant: round-trip ``x`` through fp8 in 1x32 blocks first.
+        act_peak: the qdq peak, 224 (Trainium2-compatible) or up to 448.
+        out_dtype: ``bfloat16`` (default), ``float16`` or ``float32``.
+
+    Returns:
+        ``[T, N]`` of ``out_dtype``.
+
+    Raises:
+        ValueError/TypeError: on shape/dtype mismatches, and (when the op runs) on
+        offsets that decrease or do not end at ``T``.
+    """
+    return torch.ops.torch_bq.fp8_grouped_linear(
+        x, weight, scale, offsets, bias, [int(b) for b in block], act_quant, float(act_peak), out_dtype
+    )
+
+
+def fp4_grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    offsets: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    act_quant: bool = True,
+    act_peak: float = formats.DEFAULT_ACT_PEAK,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """One OCP MXFP4 linear per expert over rows sorted by expert (W4A8 by default).
+
+    Rows ``offsets[e-1]:offsets[e]`` of ``x`` (``offsets[-1]`` taken as 0) give rows
+    of the output computed exactly as :func:`torch_bq.ops.fp4_linear` with
+    ``weight[e]``, ``scale[e]`` and ``bias[e]``. Experts with no rows are skipped.
+
+    Args:
+        x: ``[T, K]`` any float dtype, rows sorted by expert; ``T`` may be 0, ``K`` odd.
+        weight: ``[E, N, ceil(K/2)]`` packed e2m1 (``uint8``/``int8``/``float4_e2m1fn_x2``),
+            element ``2j`` in the low nibble of byte ``j``.
+        scale: ``[E, N, ceil(K/32)]`` e8m0 codes (``float8_e8m0fnu``/``uint8``).
+        offsets: ``[E]`` ``int32`` cumulative end offsets (``torch._grouped_mm``
+            convention): non-decreasing, ``offsets[E-1] == T``.
+        bias: ``[E, N]`` any float dtype, or ``None``.
+        act_quant: round-trip ``x`` through fp8 first (default ``True``).
+        act_peak: the qdq peak.
+        out_dtype: ``bfloat16`` (default), ``float16`` or ``float32``.
+
+    Returns:
+        ``[T, N]`` of ``out_dtype``.
+
+    Raises:
+        ValueError/TypeError: on shape/dtype mismatches, and (when the op runs) on
+        offsets that decrease or do not end at ``T``.
+    """
+    return torch.ops.torch_bq.fp4_grouped_linear(
+        x, weight, scale, offsets, bias, act_quant, float(act_peak), out_dtype
+    )
