@@ -1,5 +1,39 @@
-"""Drop-in modules on block-quantized weights."""
+"""Drop-in modules on block-quantized weights and the checkpoint loader.
 
+* :class:`FP8Linear`, :class:`FP4Linear`, :class:`BF16Linear` — ``nn.Linear`` replacements
+  (:mod:`torch_bq.nn.linear`);
+* :class:`CheckpointReader`, :func:`resolve_linear` and friends — the one loader for every
+  supported checkpoint layout (:mod:`torch_bq.nn.checkpoint`);
+* :class:`FP4Experts`, :class:`FP8Experts` — mixture-of-experts layers (:mod:`torch_bq.nn.experts`).
+"""
+
+from .checkpoint import (
+    CheckpointError,
+    CheckpointReader,
+    LinearLayout,
+    LinearWeights,
+    MissingTensorError,
+    detect_linear,
+    open_checkpoint,
+    read_linear,
+    resolve_linear,
+)
 from .experts import FP4Experts, FP8Experts
+from .linear import BF16Linear, FP4Linear, FP8Linear
 
-__all__ = ["FP4Experts", "FP8Experts"]
+__all__ = [
+    "FP8Linear",
+    "FP4Linear",
+    "BF16Linear",
+    "FP4Experts",
+    "FP8Experts",
+    "CheckpointError",
+    "MissingTensorError",
+    "CheckpointReader",
+    "LinearLayout",
+    "LinearWeights",
+    "open_checkpoint",
+    "detect_linear",
+    "read_linear",
+    "resolve_linear",
+]
