@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import formats, ops
+from .linear import _QuantizedLinear
+from .validation import scan_nan_codes
 
 __all__ = ["FP4Experts", "FP8Experts", "ACTIVATIONS", "GPT_OSS_ALPHA", "GPT_OSS_LIMIT"]
 
@@ -72,14 +74,21 @@ def _check_routing(
         )
 
 
-class _Experts(nn.Module):
-    """Shared forward, state layout and checks of :class:`FP4Experts` and :class:`FP8Experts`.
+class _Experts(_QuantizedLinear):
+    """Shared forward, state, construction and checks of :class:`FP4Experts` and :class:`FP8Experts`.
 
-    Subclasses define the weight storage (``_weight_shapes``) and the grouped op call
-    (``_grouped_linear``).
+    State is held in persistent buffers, as in :mod:`torch_bq.nn.linear` (same
+    reasons: the quantized storage can never train). The linear modules' base
+    class supplies the plumbing both need: the stored weights and scales survive
+    module-wide dtype casts, and ``load_state_dict`` validates everything before
+    assigning anything (:meth:`_normalize`, :meth:`_validate_loaded` below).
+    Subclasses define the storage of one stacked weight (``_empty_weight``,
+    ``_normalize_weight``) and the grouped op call (``_grouped_linear``).
     """
 
     format_name = ""
+    #: buffers whose dtype is part of the format and must survive ``model.to(dtype)``
+    _stored = ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale")
 
     def __init__(
         self,
@@ -98,27 +107,36 @@ class _Experts(nn.Module):
             raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
         for name, value in (("num_experts", num_experts), ("hidden_size", hidden_size),
                             ("intermediate_size", intermediate_size)):
-            if int(value) < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value}")
-        self.num_experts = int(num_experts)
-        self.hidden_size = int(hidden_size)
-        self.intermediate_size = int(intermediate_size)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if not 0.0 < act_peak <= formats.FP8_MAX:
+            raise ValueError(f"act_peak: expected 0 < act_peak <= {formats.FP8_MAX}, got {act_peak}")
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
         self.activation = activation
         self.act_quant = bool(act_quant)
         self.act_peak = float(act_peak)
-        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
-        for proj, (n, k) in (("gate_up_proj", (2 * i, h)), ("down_proj", (h, i))):
-            (data_shape, data_dtype), (scale_shape, scale_dtype) = self._weight_shapes(n, k)
-            self.register_parameter(proj, _frozen(torch.empty(e, *data_shape, dtype=data_dtype, device=device)))
-            self.register_parameter(
-                f"{proj}_scale", _frozen(torch.empty(e, *scale_shape, dtype=scale_dtype, device=device))
-            )
-            b = _frozen(torch.zeros(e, n, dtype=dtype, device=device)) if bias else None
-            self.register_parameter(f"{proj}_bias", b)
+        for proj, (n, k) in self._projection_shapes().items():
+            data, scale = self._empty_weight(n, k, device)
+            self.register_buffer(proj, data)
+            self.register_buffer(f"{proj}_scale", scale)
+            b = torch.zeros(num_experts, n, dtype=dtype, device=device) if bias else None
+            self.register_buffer(f"{proj}_bias", b)
+
+    def _projection_shapes(self) -> dict:
+        """``{projection: (N, K)}`` of one expert."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {"gate_up_proj": (2 * i, h), "down_proj": (h, i)}
 
     # -- format hooks ----------------------------------------------------------
 
-    def _weight_shapes(self, n: int, k: int):
+    def _empty_weight(self, n: int, k: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Zero data and unit scales of ``num_experts`` stacked ``[N, K]`` weights."""
+        raise NotImplementedError
+
+    def _normalize_weight(self, data: torch.Tensor, scale: torch.Tensor, name: str):
+        """Byte-equivalent storage dtypes -> this module's, or ``TypeError``."""
         raise NotImplementedError
 
     def _grouped_linear(self, rows, weight, scale, offsets, bias) -> torch.Tensor:
@@ -135,22 +153,23 @@ class _Experts(nn.Module):
             hidden: ``[T, H]`` any float dtype (the output has the same dtype).
             expert_ids: ``[T, k]`` integer expert indices in ``[0, E)``; a token may
                 name the same expert twice (both slots are computed).
-            routing_weights: ``[T, k]`` float mixing weights (used as given: apply
-                softmax/normalisation before calling).
+            routing_weights: ``[T, k]`` float mixing weights, used as given (apply the
+                router's softmax / normalisation before calling).
 
         Returns:
             ``[T, H]`` of ``hidden.dtype``.
         """
         _check_routing(hidden, expert_ids, routing_weights, self.hidden_size)
         if not torch.compiler.is_compiling():
+            # A data-dependent check: eager only, so compiled graphs stay whole.
             self._check_expert_ids(expert_ids)
         tokens, top_k = expert_ids.shape
         flat_ids = expert_ids.reshape(-1).long()
-        # Stable sort keeps each expert's rows in token order (deterministic results).
+        # A stable sort keeps each expert's rows in token order (deterministic results).
         order = torch.argsort(flat_ids, stable=True)
         token_of_row = order // top_k
         rows = hidden.index_select(0, token_of_row)
-        # Counting by scatter_add (not bincount) keeps the shape static: [E].
+        # Counting with scatter_add (not bincount) keeps the shape static: [E].
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=hidden.device)
         counts = counts.scatter_add(0, flat_ids, torch.ones_like(flat_ids))
         offsets = counts.cumsum(0).to(torch.int32)
@@ -175,38 +194,115 @@ class _Experts(nn.Module):
             )
 
     def extra_repr(self) -> str:
+        act = f"fp8(peak={self.act_peak:g})" if self.act_quant else "off"
         return (
-            f"num_experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
-            f"format={self._format_repr()}, activation={self.activation}, "
-            f"bias={self.gate_up_proj_bias is not None}, act_quant={self.act_quant}"
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}, bias={self.gate_up_proj_bias is not None}, "
+            f"format={self._format_repr()}, activation={self.activation}, act_quant={act}"
         )
 
     def _format_repr(self) -> str:
         return self.format_name
 
+    # -- state dict (hooks of the base class) --------------------------------------
 
-def _frozen(t: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t, requires_grad=False)
+    def _normalize(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name in self._projection_shapes():
+            return self._normalize_weight(tensor, self._buffers[f"{name}_scale"], name)[0]
+        if name.endswith("_scale"):
+            return self._normalize_weight(self._buffers[name[: -len("_scale")]], tensor, name[: -len("_scale")])[1]
+        return tensor
+
+    def _validate_loaded(self, incoming: dict, assign: bool) -> None:
+        for key, t in incoming.items():
+            want = self._buffers[key]
+            if tuple(t.shape) != tuple(want.shape):
+                raise ValueError(f"{key}: expected shape {list(want.shape)}, got {list(t.shape)}")
+            if key.endswith("_scale") and t.dtype != want.dtype and not assign:
+                raise TypeError(f"{key}: this module stores {want.dtype} scales but the state dict holds {t.dtype}")
+        for proj, (n, k) in self._projection_shapes().items():
+            data, scale = incoming.get(proj), incoming.get(f"{proj}_scale")
+            for e in range(self.num_experts):
+                if (data is None or data.is_meta) and (scale is None or scale.is_meta):
+                    break
+                scan_nan_codes(None if data is None or data.is_meta else data[e],
+                               None if scale is None or scale.is_meta else scale[e],
+                               name=f"{proj}[{e}]", fmt=self.format_name, in_features=k)
+
+    # -- construction ------------------------------------------------------------
+
+    def _install(self, tensors: dict, name: str, scan_codes: bool) -> None:
+        """Check ``{buffer: tensor}`` against this (meta) module's buffers, then assign them all.
+
+        Nothing is assigned unless every tensor fits.
+        """
+        ready = {}
+        for proj, (n, k) in self._projection_shapes().items():
+            data, scale = self._normalize_weight(tensors[proj], tensors[f"{proj}_scale"], f"{name}.{proj}")
+            for key, t in ((proj, data), (f"{proj}_scale", scale)):
+                want = self._buffers[key]
+                if tuple(t.shape) != tuple(want.shape):
+                    raise ValueError(f"{name}.{key}: expected shape {list(want.shape)}, got {list(t.shape)}")
+            if scan_codes and not data.is_meta:
+                for e in range(self.num_experts):
+                    scan_nan_codes(data[e], scale[e], name=f"{name}.{proj}[{e}]", fmt=self.format_name,
+                                   in_features=k)
+            ready[proj], ready[f"{proj}_scale"] = data, scale
+            bias = tensors.get(f"{proj}_bias")
+            if (bias is None) != (self._buffers[f"{proj}_bias"] is None):
+                raise ValueError(f"{name}.{proj}_bias: expected {'a' if bias is None else 'no'} bias tensor")
+            if bias is not None:
+                if not bias.dtype.is_floating_point:
+                    raise TypeError(f"{name}.{proj}_bias: expected a floating-point dtype, got {bias.dtype}")
+                if tuple(bias.shape) != (self.num_experts, n):
+                    raise ValueError(
+                        f"{name}.{proj}_bias: expected shape {[self.num_experts, n]}, got {list(bias.shape)}"
+                    )
+                ready[f"{proj}_bias"] = bias
+        for key, t in ready.items():
+            setattr(self, key, t)
+
+    @classmethod
+    def _from_stacked(cls, tensors: dict, *, name: str, scan_codes: bool, sizes: Tuple[int, int, int],
+                      **options) -> "_Experts":
+        e, h, i = sizes
+        given = [b for b in (tensors.get("gate_up_proj_bias"), tensors.get("down_proj_bias")) if b is not None]
+        bias = bool(given)
+        if bias:
+            # Only one of the two biases given: the other is zero.
+            ref = given[0]
+            tensors = dict(tensors)
+            for proj, n in (("gate_up_proj", 2 * i), ("down_proj", h)):
+                if tensors.get(f"{proj}_bias") is None:
+                    tensors[f"{proj}_bias"] = torch.zeros(e, n, dtype=ref.dtype, device=ref.device)
+            options.setdefault("dtype", ref.dtype)
+        module = cls(e, h, i, bias, device="meta", **options)
+        module._install(tensors, name, scan_codes)
+        return module
 
 
 class FP4Experts(_Experts):
     """Experts with OCP MXFP4 weights (W4A8 by default): gpt-oss's expert layer.
 
-    State (``E`` experts, hidden ``H``, intermediate ``I``):
+    State (``E`` experts, hidden ``H``, intermediate ``I``), all buffers:
 
     * ``gate_up_proj`` ``uint8 [E, 2I, ceil(H/2)]`` packed e2m1, ``gate_up_proj_scale``
-      e8m0 ``[E, 2I, ceil(H/32)]``, ``gate_up_proj_bias`` ``[E, 2I]`` (if ``bias``);
+      ``float8_e8m0fnu [E, 2I, ceil(H/32)]``, ``gate_up_proj_bias`` ``[E, 2I]`` (if ``bias``);
     * ``down_proj`` ``uint8 [E, H, ceil(I/2)]``, ``down_proj_scale`` ``[E, H, ceil(I/32)]``,
       ``down_proj_bias`` ``[E, H]`` (if ``bias``).
 
     Row layout of ``gate_up_proj`` depends on ``activation`` (see :mod:`torch_bq.nn.experts`).
+    A fresh module holds zero weights with unit scales; fill it with :meth:`from_weights`,
+    :meth:`from_quantized`, :meth:`from_checkpoint` or ``load_state_dict``.
 
     Args:
-        num_experts, hidden_size, intermediate_size: ``E``, ``H``, ``I``.
-        bias: keep per-expert biases (gpt-oss has them; DeepSeek does not).
-        activation: ``"gpt-oss"`` (clamped SwiGLU, interleaved rows) or ``"swiglu"``.
+        num_experts: ``E``.
+        hidden_size: ``H``.
+        intermediate_size: ``I``.
+        bias: hold per-expert biases (gpt-oss has them; DeepSeek does not).
+        activation: ``"gpt-oss"`` (clamped SwiGLU, interleaved rows; default) or ``"swiglu"``.
         act_quant, act_peak: activation qdq of both linears (SPEC.md §3).
-        device: where to allocate (``"meta"`` works).
+        device: where to allocate (``"meta"`` allocates nothing).
         dtype: dtype of the biases.
     """
 
@@ -228,12 +324,57 @@ class FP4Experts(_Experts):
         super().__init__(num_experts, hidden_size, intermediate_size, bias, activation, act_quant, act_peak,
                          device, dtype)
 
-    def _weight_shapes(self, n: int, k: int):
-        return ((n, -(-k // 2)), torch.uint8), ((n, -(-k // formats.FP4_BLOCK)), torch.float8_e8m0fnu)
+    def _empty_weight(self, n, k, device):
+        e = self.num_experts
+        data = torch.zeros(e, n, -(-k // 2), dtype=torch.uint8, device=device)
+        code = torch.full((e, n, -(-k // formats.FP4_BLOCK)), formats.E8M0_BIAS, dtype=torch.uint8, device=device)
+        return data, code.view(torch.float8_e8m0fnu)
+
+    def _normalize_weight(self, data, scale, name):
+        data = formats.as_fp4_bytes(data, name)
+        scale = formats.as_e8m0_codes(scale, f"{name}_scale").view(torch.float8_e8m0fnu)
+        return data, scale
 
     def _grouped_linear(self, rows, weight, scale, offsets, bias) -> torch.Tensor:
         return ops.fp4_grouped_linear(rows, weight, scale, offsets, bias, act_quant=self.act_quant,
                                       act_peak=self.act_peak, out_dtype=torch.float32)
+
+    @classmethod
+    def from_quantized(
+        cls,
+        gate_up_proj: torch.Tensor,
+        gate_up_proj_scale: torch.Tensor,
+        down_proj: torch.Tensor,
+        down_proj_scale: torch.Tensor,
+        gate_up_proj_bias: Optional[torch.Tensor] = None,
+        down_proj_bias: Optional[torch.Tensor] = None,
+        *,
+        hidden_size: Optional[int] = None,
+        intermediate_size: Optional[int] = None,
+        name: str = "experts",
+        **options,
+    ) -> "FP4Experts":
+        """Wrap stacked MXFP4 storage (no copy) after checking dtypes, shapes and NaN codes.
+
+        Args:
+            gate_up_proj: ``[E, 2I, ceil(H/2)]`` packed (``uint8``/``int8``/``float4_e2m1fn_x2``).
+            gate_up_proj_scale: ``[E, 2I, ceil(H/32)]`` e8m0 (``float8_e8m0fnu``/``uint8``).
+            down_proj, down_proj_scale: ``[E, H, ceil(I/2)]`` and ``[E, H, ceil(I/32)]``.
+            gate_up_proj_bias, down_proj_bias: ``[E, 2I]`` / ``[E, H]`` or ``None``.
+            hidden_size, intermediate_size: ``H``/``I`` when odd (default: from the shapes).
+            name: prefix for error messages (e.g. the checkpoint prefix).
+            options: ``activation``, ``act_quant``, ``act_peak`` as in the constructor.
+        """
+        _check_stacked(gate_up_proj, down_proj)
+        sizes = (
+            gate_up_proj.shape[0],
+            2 * gate_up_proj.shape[2] if hidden_size is None else hidden_size,
+            2 * down_proj.shape[2] if intermediate_size is None else intermediate_size,
+        )
+        tensors = dict(gate_up_proj=gate_up_proj, gate_up_proj_scale=gate_up_proj_scale, down_proj=down_proj,
+                       down_proj_scale=down_proj_scale, gate_up_proj_bias=gate_up_proj_bias,
+                       down_proj_bias=down_proj_bias)
+        return cls._from_stacked(tensors, name=name, scan_codes=True, sizes=sizes, **options)
 
     @classmethod
     def from_weights(
@@ -246,14 +387,28 @@ class FP4Experts(_Experts):
         rounding: str = "ceil",
         **options,
     ) -> "FP4Experts":
-        """Quantize float expert weights (``[E, 2I, H]`` and ``[E, H, I]``, rows laid out
-        for ``options["activation"]``) to MXFP4 with :func:`torch_bq.formats.quantize_fp4`."""
-        module = _from_weights_shell(cls, gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias, options)
+        """Quantize float expert weights with :func:`torch_bq.formats.quantize_fp4`.
+
+        Args:
+            gate_up_proj: ``[E, 2I, H]`` float, rows laid out for ``options["activation"]``.
+            down_proj: ``[E, H, I]`` float.
+            gate_up_proj_bias, down_proj_bias: ``[E, 2I]`` / ``[E, H]`` or ``None`` (kept as is).
+            rounding: the fp4 scale rule, ``"ceil"`` or ``"floor"``.
+            options: constructor options (``activation``, ``act_quant``, ...).
+        """
+        tensors = {"gate_up_proj_bias": gate_up_proj_bias, "down_proj_bias": down_proj_bias}
+        sizes = _float_sizes(gate_up_proj, down_proj)
         for proj, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
-            packed, scale = zip(*(formats.quantize_fp4(w[e], rounding) for e in range(w.shape[0])))
-            setattr(module, proj, _frozen(torch.stack(packed)))
-            setattr(module, f"{proj}_scale", _frozen(torch.stack(scale)))
-        return module
+            data, scale = zip(*(formats.quantize_fp4(w[e], rounding) for e in range(w.shape[0])))
+            tensors[proj], tensors[f"{proj}_scale"] = torch.stack(data), torch.stack(scale)
+        return cls._from_stacked(tensors, name="experts", scan_codes=False, sizes=sizes, **options)
+
+    @classmethod
+    def from_checkpoint(cls, source, prefix: str, *, layout: str = "gpt-oss", device="cpu", **options):
+        """Load experts from a checkpoint; see :func:`torch_bq.nn.expert_checkpoint.load_experts`."""
+        from .expert_checkpoint import load_experts
+
+        return load_experts(cls, source, prefix, layout=layout, device=device, **options)
 
 
 class FP8Experts(_Experts):
@@ -262,12 +417,15 @@ class FP8Experts(_Experts):
     State as :class:`FP4Experts` with ``gate_up_proj`` ``float8_e4m3fn [E, 2I, H]``,
     ``gate_up_proj_scale`` ``[E, ceil(2I/bn), ceil(H/bk)]``, ``down_proj``
     ``float8_e4m3fn [E, H, I]``, ``down_proj_scale`` ``[E, ceil(H/bn), ceil(I/bk)]``;
-    scales are e8m0 or float32 (``scale_dtype``), always multiplied.
+    scales are e8m0 or float32 (``scale_dtype``), always multiplied. With
+    ``activation="swiglu"`` (the default here) and ``I % bn != 0`` the last scale
+    block row of ``w1`` would also cover ``w3``'s first rows, so build such layers
+    with ``bn`` dividing ``I``.
 
     Args:
         num_experts, hidden_size, intermediate_size, bias, activation, act_quant,
-        act_peak, device, dtype: as :class:`FP4Experts`.
-        block: ``(bn, bk)`` of every expert weight, e.g. ``(32, 32)``, ``(128, 128)``.
+        act_peak, device, dtype: as :class:`FP4Experts` (``activation`` defaults to ``"swiglu"``).
+        block: ``(bn, bk)`` of every expert weight, e.g. ``(32, 32)`` or ``(128, 128)``.
         scale_dtype: ``torch.float8_e8m0fnu`` (default) or ``torch.float32``.
     """
 
@@ -288,25 +446,74 @@ class FP8Experts(_Experts):
         device=None,
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
-        if len(block) != 2 or any(int(b) < 1 for b in block):
-            raise ValueError(f"block: expected two positive ints (bn, bk), got {tuple(block)}")
-        if scale_dtype not in (torch.float8_e8m0fnu, torch.uint8, torch.float32):
-            raise TypeError(f"scale_dtype: expected torch.float8_e8m0fnu, torch.uint8 or torch.float32, "
-                            f"got {scale_dtype}")
-        self.block: Tuple[int, int] = (int(block[0]), int(block[1]))
+        if scale_dtype == torch.uint8:
+            scale_dtype = torch.float8_e8m0fnu  # the same bytes
+        if scale_dtype not in (torch.float8_e8m0fnu, torch.float32):
+            raise TypeError(f"scale_dtype: expected torch.float8_e8m0fnu or torch.float32, got {scale_dtype}")
+        self.block: Tuple[int, int] = formats._check_block(block)
         self.scale_dtype = scale_dtype
         super().__init__(num_experts, hidden_size, intermediate_size, bias, activation, act_quant, act_peak,
                          device, dtype)
 
-    def _weight_shapes(self, n: int, k: int):
-        return ((n, k), torch.float8_e4m3fn), (formats.fp8_scale_shape((n, k), self.block), self.scale_dtype)
+    def _empty_weight(self, n, k, device):
+        e = self.num_experts
+        data = torch.zeros(e, n, k, dtype=torch.float8_e4m3fn, device=device)
+        grid = formats.fp8_scale_shape((n, k), self.block)
+        if self.scale_dtype == torch.float32:
+            return data, torch.ones(e, *grid, dtype=torch.float32, device=device)
+        code = torch.full((e, *grid), formats.E8M0_BIAS, dtype=torch.uint8, device=device)
+        return data, code.view(torch.float8_e8m0fnu)
+
+    def _normalize_weight(self, data, scale, name):
+        data = formats.as_fp8_bytes(data, name).view(torch.float8_e4m3fn)
+        if self.scale_dtype == torch.float32:
+            if scale.dtype != torch.float32:
+                raise TypeError(f"{name}_scale: expected dtype torch.float32 (scale_dtype), got {scale.dtype}")
+        else:
+            scale = formats.as_e8m0_codes(scale, f"{name}_scale").view(torch.float8_e8m0fnu)
+        return data, scale
 
     def _grouped_linear(self, rows, weight, scale, offsets, bias) -> torch.Tensor:
         return ops.fp8_grouped_linear(rows, weight, scale, offsets, bias, block=self.block,
                                       act_quant=self.act_quant, act_peak=self.act_peak, out_dtype=torch.float32)
 
     def _format_repr(self) -> str:
-        return f"fp8 {self.block[0]}x{self.block[1]}"
+        scale = "e8m0" if self.scale_dtype == torch.float8_e8m0fnu else "f32"
+        return f"fp8, block={self.block}, scale={scale}"
+
+    @classmethod
+    def from_quantized(
+        cls,
+        gate_up_proj: torch.Tensor,
+        gate_up_proj_scale: torch.Tensor,
+        down_proj: torch.Tensor,
+        down_proj_scale: torch.Tensor,
+        gate_up_proj_bias: Optional[torch.Tensor] = None,
+        down_proj_bias: Optional[torch.Tensor] = None,
+        *,
+        block: Sequence[int] = (32, 32),
+        name: str = "experts",
+        **options,
+    ) -> "FP8Experts":
+        """Wrap stacked fp8 storage (no copy) after checking dtypes, shapes and NaN codes.
+
+        Args:
+            gate_up_proj: ``[E, 2I, H]`` ``float8_e4m3fn`` (or ``uint8`` bytes).
+            gate_up_proj_scale: ``[E, ceil(2I/bn), ceil(H/bk)]`` e8m0 or float32.
+            down_proj, down_proj_scale: ``[E, H, I]`` and ``[E, ceil(H/bn), ceil(I/bk)]``.
+            gate_up_proj_bias, down_proj_bias: ``[E, 2I]`` / ``[E, H]`` or ``None``.
+            block: ``(bn, bk)`` the scales cover.
+            name: prefix for error messages.
+            options: ``activation``, ``act_quant``, ``act_peak`` as in the constructor.
+        """
+        _check_stacked(gate_up_proj, down_proj)
+        sizes = (gate_up_proj.shape[0], gate_up_proj.shape[2], down_proj.shape[2])
+        scale_dtype = torch.float32 if gate_up_proj_scale.dtype == torch.float32 else torch.float8_e8m0fnu
+        tensors = dict(gate_up_proj=gate_up_proj, gate_up_proj_scale=gate_up_proj_scale, down_proj=down_proj,
+                       down_proj_scale=down_proj_scale, gate_up_proj_bias=gate_up_proj_bias,
+                       down_proj_bias=down_proj_bias)
+        return cls._from_stacked(tensors, name=name, scan_codes=True, sizes=sizes, block=block,
+                                 scale_dtype=scale_dtype, **options)
 
     @classmethod
     def from_weights(
@@ -315,38 +522,47 @@ class FP8Experts(_Experts):
         down_proj: torch.Tensor,
         gate_up_proj_bias: Optional[torch.Tensor] = None,
         down_proj_bias: Optional[torch.Tensor] = None,
+        *,
+        block: Sequence[int] = (32, 32),
+        scale_dtype: torch.dtype = torch.float8_e8m0fnu,
         **options,
     ) -> "FP8Experts":
-        """Quantize float expert weights (``[E, 2I, H]`` and ``[E, H, I]``, rows laid out
-        for ``options["activation"]``) with :func:`torch_bq.formats.quantize_fp8`."""
-        module = _from_weights_shell(cls, gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias, options)
+        """Quantize float expert weights with :func:`torch_bq.formats.quantize_fp8`.
+
+        Args:
+            gate_up_proj: ``[E, 2I, H]`` float, rows laid out for ``options["activation"]``.
+            down_proj: ``[E, H, I]`` float.
+            gate_up_proj_bias, down_proj_bias: ``[E, 2I]`` / ``[E, H]`` or ``None`` (kept as is).
+            block, scale_dtype: the fp8 block and scale storage.
+            options: constructor options (``activation``, ``act_quant``, ...).
+        """
+        tensors = {"gate_up_proj_bias": gate_up_proj_bias, "down_proj_bias": down_proj_bias}
+        sizes = _float_sizes(gate_up_proj, down_proj)
         for proj, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
-            data, scale = zip(*(formats.quantize_fp8(w[e], module.block, module.scale_dtype)
-                                for e in range(w.shape[0])))
-            setattr(module, proj, _frozen(torch.stack(data)))
-            setattr(module, f"{proj}_scale", _frozen(torch.stack(scale)))
-        return module
+            data, scale = zip(*(formats.quantize_fp8(w[e], block, scale_dtype) for e in range(w.shape[0])))
+            tensors[proj], tensors[f"{proj}_scale"] = torch.stack(data), torch.stack(scale)
+        return cls._from_stacked(tensors, name="experts", scan_codes=False, sizes=sizes, block=block,
+                                 scale_dtype=scale_dtype, **options)
+
+    @classmethod
+    def from_checkpoint(cls, source, prefix: str, *, layout: str = "deepseek", device="cpu", **options):
+        """Load experts from a checkpoint; see :func:`torch_bq.nn.expert_checkpoint.load_experts`."""
+        from .expert_checkpoint import load_experts
+
+        return load_experts(cls, source, prefix, layout=layout, device=device, **options)
 
 
-def _from_weights_shell(cls, gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias, options):
-    """A module sized from float expert weights, built on ``meta``, biases already installed.
+def _check_stacked(gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
+    for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if t.dim() != 3:
+            raise ValueError(f"{name}: expected a stacked 3-D [E, N, .] tensor, got shape {list(t.shape)}")
 
-    The caller installs the quantized weights; every tensor ends up on ``gate_up_proj.device``.
-    """
+
+def _float_sizes(gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> Tuple[int, int, int]:
+    """``(E, H, I)`` of float weights ``[E, 2I, H]`` / ``[E, H, I]``, checking they agree."""
     if gate_up_proj.dim() != 3 or gate_up_proj.shape[1] % 2:
         raise ValueError(f"gate_up_proj: expected shape [E, 2I, H], got {list(gate_up_proj.shape)}")
     e, two_i, h = gate_up_proj.shape
     if tuple(down_proj.shape) != (e, h, two_i // 2):
         raise ValueError(f"down_proj: expected shape {[e, h, two_i // 2]} ([E, H, I]), got {list(down_proj.shape)}")
-    if "device" in options:
-        raise TypeError("device: from_weights keeps the weights' device; move the module with .to() afterwards")
-    has_bias = gate_up_proj_bias is not None or down_proj_bias is not None
-    module = cls(e, h, two_i // 2, has_bias, device="meta", **options)
-    if has_bias:
-        dtype = options.get("dtype", torch.bfloat16)
-        for proj, b, n in (("gate_up_proj", gate_up_proj_bias, two_i), ("down_proj", down_proj_bias, h)):
-            b = torch.zeros(e, n, dtype=dtype, device=gate_up_proj.device) if b is None else b
-            if tuple(b.shape) != (e, n):
-                raise ValueError(f"{proj}_bias: expected shape {[e, n]}, got {list(b.shape)}")
-            setattr(module, f"{proj}_bias", _frozen(b.to(dtype)))
-    return module
+    return e, h, two_i // 2
