@@ -108,7 +108,11 @@ def _load_gpt_oss(reader, cls, prefix: str, *, block) -> tuple[_Stack, tuple, di
     stack = _Stack(num_experts)
     for proj, layout in layouts.items():
         for e in range(num_experts):
-            w = read_linear(reader, dataclasses.replace(layout, expert=e))
+            try:
+                w = read_linear(reader, dataclasses.replace(layout, expert=e))
+            except CheckpointError as error:
+                # The stacked tensor's name alone does not say which expert is bad.
+                raise CheckpointError(f"expert {e} of {error}") from None
             _put_weights(stack, proj, e, w, f"{layout.weight_name}[{e}]")
     return stack, sizes, {}
 
