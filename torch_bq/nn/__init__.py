@@ -4,6 +4,8 @@
   (:mod:`torch_bq.nn.linear`);
 * :class:`CheckpointReader`, :func:`resolve_linear` and friends — the one loader for every
   supported checkpoint layout (:mod:`torch_bq.nn.checkpoint`);
+* :func:`quantize_`, :func:`load_quantized_`, :func:`convert_checkpoint` — whole models and
+  checkpoints (:mod:`torch_bq.nn.convert`);
 * :class:`FP4Experts`, :class:`FP8Experts` — mixture-of-experts layers (:mod:`torch_bq.nn.experts`).
 """
 
@@ -18,6 +20,7 @@ from .checkpoint import (
     read_linear,
     resolve_linear,
 )
+from .convert import LoadReport, QuantizeReport, convert_checkpoint, load_quantized_, quantize_
 from .experts import FP4Experts, FP8Experts
 from .linear import BF16Linear, FP4Linear, FP8Linear
 
@@ -36,4 +39,9 @@ __all__ = [
     "detect_linear",
     "read_linear",
     "resolve_linear",
+    "quantize_",
+    "load_quantized_",
+    "convert_checkpoint",
+    "QuantizeReport",
+    "LoadReport",
 ]

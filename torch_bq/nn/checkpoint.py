@@ -134,7 +134,8 @@ class CheckpointReader:
         self._tensors: Optional[Mapping[str, torch.Tensor]] = None
         self._where: dict[str, str] = {}  # tensor name -> file
         self._headers: dict[str, tuple[str, list[int]]] = {}  # name -> (dtype string, shape)
-        self.root: Optional[Path] = None
+        self.root: Optional[Path] = None  # where config.json is looked for
+        self.directory: Optional[Path] = None  # set when the source is a directory
         if isinstance(source, Mapping):
             for k, v in source.items():
                 if not isinstance(v, torch.Tensor):
@@ -149,7 +150,7 @@ class CheckpointReader:
         path = Path(source)
         self.description = str(path)
         if path.is_dir():
-            self.root = path
+            self.root = self.directory = path
             self._index_directory(path)
         elif path.is_file():
             self.root = path.parent

@@ -23,39 +23,15 @@ __all__ = ["fp8_grouped_linear", "fp4_grouped_linear"]
 # --------------------------------------------------------------------------- #
 
 
-@torch.library.custom_op("torch_bq::fp8_grouped_linear", mutates_args=())
-def _fp8_grouped_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    offsets: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    block: Sequence[int],
-    act_quant: bool,
-    act_peak: float,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    return ref.fp8_grouped_linear(x, weight, scale, offsets, bias, block, act_quant, act_peak, out_dtype)
+# The reference functions carry the schema's annotations, so they are the op bodies as they are.
+_fp8_grouped_linear = torch.library.custom_op("torch_bq::fp8_grouped_linear", ref.fp8_grouped_linear, mutates_args=())
+_fp4_grouped_linear = torch.library.custom_op("torch_bq::fp4_grouped_linear", ref.fp4_grouped_linear, mutates_args=())
 
 
 @_fp8_grouped_linear.register_fake
 def _(x, weight, scale, offsets, bias, block, act_quant, act_peak, out_dtype):
     ref.check_fp8_grouped_args(x, weight, scale, offsets, bias, block, act_quant, act_peak, out_dtype)
     return x.new_empty((x.shape[0], weight.shape[1]), dtype=out_dtype)
-
-
-@torch.library.custom_op("torch_bq::fp4_grouped_linear", mutates_args=())
-def _fp4_grouped_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    offsets: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    act_quant: bool,
-    act_peak: float,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    return ref.fp4_grouped_linear(x, weight, scale, offsets, bias, act_quant, act_peak, out_dtype)
 
 
 @_fp4_grouped_linear.register_fake
