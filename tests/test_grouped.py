@@ -6,9 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from torch_bq import formats, ops, reference
-
-U32 = 2.0**-24  # float32 unit roundoff
-
+from torch_bq.testing import assert_linear_close
 
 # --------------------------------------------------------------------------- #
 # fixtures: stacked quantized expert weights
@@ -32,10 +30,10 @@ def make_experts(fmt, e, n, k, seed=0, bias=False):
         stacked = (torch.stack(data), torch.stack(scale))
         kwargs = {}
 
-        def dense(x, i, **kw):
-            return reference.fp4_linear(x, stacked[0][i], stacked[1][i], None if b is None else b[i],
-                                        kw.get("act_quant", True), kw.get("act_peak", 224.0),
-                                        kw.get("out_dtype", torch.bfloat16))
+        def dense(x, i, impl="reference", **kw):
+            fn = reference.fp4_linear if impl == "reference" else torch.ops.torch_bq.fp4_linear
+            return fn(x, stacked[0][i], stacked[1][i], None if b is None else b[i],
+                      kw.get("act_quant", True), kw.get("act_peak", 224.0), kw.get("out_dtype", torch.bfloat16))
 
         def decoded(i):
             return formats.dequantize_fp4(stacked[0][i], stacked[1][i], k, torch.float64)
@@ -45,10 +43,10 @@ def make_experts(fmt, e, n, k, seed=0, bias=False):
         stacked = (torch.stack(data), torch.stack(scale))
         kwargs = {"block": block}
 
-        def dense(x, i, **kw):
-            return reference.fp8_linear(x, stacked[0][i], stacked[1][i], None if b is None else b[i], block,
-                                        kw.get("act_quant", True), kw.get("act_peak", 224.0),
-                                        kw.get("out_dtype", torch.bfloat16))
+        def dense(x, i, impl="reference", **kw):
+            fn = reference.fp8_linear if impl == "reference" else torch.ops.torch_bq.fp8_linear
+            return fn(x, stacked[0][i], stacked[1][i], None if b is None else b[i], list(block),
+                      kw.get("act_quant", True), kw.get("act_peak", 224.0), kw.get("out_dtype", torch.bfloat16))
 
         def decoded(i):
             return formats.dequantize_fp8(stacked[0][i], stacked[1][i], block, torch.float64)
@@ -60,13 +58,29 @@ def grouped(fmt):
     return ops.fp4_grouped_linear if fmt == "fp4" else ops.fp8_grouped_linear
 
 
+def reference_grouped(fmt):
+    """The reference with the wrappers' keyword signature."""
+
+    def call(x, weight, scale, offsets, bias=None, *, block=(32, 32), act_quant=True, act_peak=224.0,
+             out_dtype=torch.bfloat16):
+        if fmt == "fp4":
+            return reference.fp4_grouped_linear(x, weight, scale, offsets, bias, act_quant, act_peak, out_dtype)
+        return reference.fp8_grouped_linear(x, weight, scale, offsets, bias, block, act_quant, act_peak, out_dtype)
+
+    return call
+
+
 def offsets_of(counts):
     return torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
 
 
 # --------------------------------------------------------------------------- #
-# equality with a loop of dense reference calls (exact: same per-row math)
+# equality with a loop of dense calls: the reference against the dense reference,
+# the op (whatever kernel the device registers) against the dense op. Exact: each
+# expert's rows go through the same dense math with the same row count.
 # --------------------------------------------------------------------------- #
+
+IMPLS = ["op", "reference"]
 
 ROUTINGS = {
     "some-empty": [0, 3, 0, 5],
@@ -76,32 +90,35 @@ ROUTINGS = {
 }
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("routing", list(ROUTINGS))
 @pytest.mark.parametrize("bias", [False, True])
-def test_equals_loop_of_dense_reference(fmt, routing, bias):
+def test_equals_loop_of_dense_calls(impl, fmt, routing, bias):
     counts = ROUTINGS[routing]
     n, k = 40, 70  # neither a multiple of 32
     (weight, scale), b, kw, dense, _ = make_experts(fmt, len(counts), n, k, bias=bias)
     x = torch.randn(sum(counts), k) * 3
-    out = grouped(fmt)(x, weight, scale, offsets_of(counts), b, **kw)
+    fn = grouped(fmt) if impl == "op" else reference_grouped(fmt)
+    out = fn(x, weight, scale, offsets_of(counts), b, **kw)
     assert out.shape == (sum(counts), n) and out.dtype == torch.bfloat16
     start = 0
     for i, c in enumerate(counts):
-        expected = dense(x[start : start + c], i)
+        expected = dense(x[start : start + c], i, impl)
         assert torch.equal(out[start : start + c].view(torch.uint16), expected.view(torch.uint16)), (i, c)
         start += c
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("fmt", ["fp4", "fp8-32x32-e8m0"])
-def test_options_reach_every_expert(fmt):
+def test_options_reach_every_expert(impl, fmt):
     counts = [2, 0, 3]
     (weight, scale), b, kw, dense, _ = make_experts(fmt, 3, 33, 64, seed=1, bias=True)
     x = torch.randn(5, 64, dtype=torch.float16)
-    out = grouped(fmt)(x, weight, scale, offsets_of(counts), b, act_quant=False, act_peak=448.0,
-                       out_dtype=torch.float32, **kw)
-    expected = torch.cat([dense(x[:2], 0, act_quant=False, out_dtype=torch.float32),
-                          dense(x[2:], 2, act_quant=False, out_dtype=torch.float32)])
+    fn = grouped(fmt) if impl == "op" else reference_grouped(fmt)
+    out = fn(x, weight, scale, offsets_of(counts), b, act_quant=False, act_peak=448.0, out_dtype=torch.float32, **kw)
+    expected = torch.cat([dense(x[:2], 0, impl, act_quant=False, out_dtype=torch.float32),
+                          dense(x[2:], 2, impl, act_quant=False, out_dtype=torch.float32)])
     assert torch.equal(out, expected)
 
 
@@ -111,32 +128,25 @@ def test_options_reach_every_expert(fmt):
 
 
 @given(
+    impl=st.sampled_from(IMPLS),
     fmt=st.sampled_from(FORMATS),
     counts=st.lists(st.integers(0, 4), min_size=1, max_size=5),
     n=st.integers(1, 40),
     k=st.integers(1, 80),
     act_quant=st.booleans(),
+    out_dtype=st.sampled_from([torch.bfloat16, torch.float32]),
     seed=st.integers(0, 2**16),
 )
-def test_matches_float64(fmt, counts, n, k, act_quant, seed):
+def test_matches_float64_within_derived_bound(impl, fmt, counts, n, k, act_quant, out_dtype, seed):
     (weight, scale), b, kw, _, decoded = make_experts(fmt, len(counts), n, k, seed=seed, bias=True)
     x = torch.randn(sum(counts), k, generator=torch.Generator().manual_seed(seed + 1)) * 10
-    out = grouped(fmt)(x, weight, scale, offsets_of(counts), b, act_quant=act_quant,
-                       out_dtype=torch.float32, **kw)
-    a = (formats.qdq_fp8(x) if act_quant else x.to(torch.bfloat16)).to(torch.float64)
+    fn = grouped(fmt) if impl == "op" else reference_grouped(fmt)
+    out = fn(x, weight, scale, offsets_of(counts), b, act_quant=act_quant, out_dtype=out_dtype, **kw)
+    a = formats.qdq_fp8(x) if act_quant else x.to(torch.bfloat16)
     start = 0
     for i, c in enumerate(counts):
-        rows = a[start : start + c]
-        w = decoded(i)
-        exact = rows @ w.T + b[i].to(torch.float64)
-        # A is bf16 (8 significant bits), W has <= 4 significant bits times a power of
-        # two, so each product is exact in float32; a float32 sum of K products plus
-        # the bias errs by at most (K + 1) * u32 * sum|terms| (any order); the final
-        # rounding to float32 adds u32 * |y|.
-        magnitude = rows.abs() @ w.abs().T + b[i].abs().to(torch.float64)
-        bound = (k + 1) * U32 * magnitude + U32 * exact.abs()
-        err = (out[start : start + c].to(torch.float64) - exact).abs()
-        assert bool((err <= bound).all()), float((err - bound).max())
+        # The bound of SPEC.md §4 per expert (K + 1 float32 roundings, one output rounding).
+        assert_linear_close(out[start : start + c], a[start : start + c], decoded(i), b[i], msg=f"expert {i}")
         start += c
 
 
@@ -158,7 +168,7 @@ def test_experts_without_rows_are_not_decoded(fmt, monkeypatch):
         return original(data, *args, **kwargs)
 
     monkeypatch.setattr(formats, name, spy)
-    grouped(fmt)(torch.randn(3, 64), weight, scale, offsets_of(counts), **kw)
+    reference_grouped(fmt)(torch.randn(3, 64), weight, scale, offsets_of(counts), **kw)
     expert_of_ptr = {weight[i].data_ptr(): i for i in range(len(counts))}
     assert sorted({expert_of_ptr[p] for p in decoded_rows}) == [1, 4]
 

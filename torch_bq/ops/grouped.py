@@ -40,6 +40,34 @@ def _(x, weight, scale, offsets, bias, act_quant, act_peak, out_dtype):
     return x.new_empty((x.shape[0], weight.shape[1]), dtype=out_dtype)
 
 
+# Per-device kernels: each expert's rows through the dense op of the same format, so
+# the grouped op runs on whatever dense kernel the device has registered (a fast CPU
+# kernel where one is built). With the reference dense ops this is the reference,
+# bit for bit.
+
+
+@_fp8_grouped_linear.register_kernel("cpu")
+def _(x, weight, scale, offsets, bias, block, act_quant, act_peak, out_dtype):
+    ref.check_fp8_grouped_args(x, weight, scale, offsets, bias, block, act_quant, act_peak, out_dtype)
+
+    def expert_linear(e, rows):
+        b = None if bias is None else bias[e]
+        return torch.ops.torch_bq.fp8_linear(rows, weight[e], scale[e], b, block, act_quant, act_peak, out_dtype)
+
+    return ref.by_expert(x, offsets, weight.shape[1], out_dtype, expert_linear)
+
+
+@_fp4_grouped_linear.register_kernel("cpu")
+def _(x, weight, scale, offsets, bias, act_quant, act_peak, out_dtype):
+    ref.check_fp4_grouped_args(x, weight, scale, offsets, bias, act_quant, act_peak, out_dtype)
+
+    def expert_linear(e, rows):
+        b = None if bias is None else bias[e]
+        return torch.ops.torch_bq.fp4_linear(rows, weight[e], scale[e], b, act_quant, act_peak, out_dtype)
+
+    return ref.by_expert(x, offsets, weight.shape[1], out_dtype, expert_linear)
+
+
 # --------------------------------------------------------------------------- #
 # public wrappers
 # --------------------------------------------------------------------------- #

@@ -12,7 +12,7 @@ Activation qdq is per row (1x32 blocks along K), so applying it expert by
 expert is the same as applying it to all of ``x`` at once.
 """
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -24,6 +24,7 @@ __all__ = [
     "check_fp8_grouped_args",
     "check_fp4_grouped_args",
     "check_offsets_values",
+    "by_expert",
 ]
 
 
@@ -106,7 +107,17 @@ def check_offsets_values(offsets: torch.Tensor, num_rows: int) -> list:
 # --------------------------------------------------------------------------- #
 
 
-def _grouped(x, offsets, n, out_dtype, expert_linear) -> torch.Tensor:
+def by_expert(
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    n: int,
+    out_dtype: torch.dtype,
+    expert_linear: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``[T, n]`` whose rows ``offsets[e-1]:offsets[e]`` are ``expert_linear(e, x[those rows])``.
+
+    Checks the offsets' values first; experts without rows are never called.
+    """
     out = torch.empty(x.shape[0], n, dtype=out_dtype, device=x.device)
     start = 0
     for e, end in enumerate(check_offsets_values(offsets, x.shape[0])):
@@ -134,7 +145,7 @@ def fp8_grouped_linear(
         b = None if bias is None else bias[e]
         return linear.fp8_linear(rows, weight[e], scale[e], b, block, act_quant, act_peak, out_dtype)
 
-    return _grouped(x, offsets, weight.shape[1], out_dtype, expert_linear)
+    return by_expert(x, offsets, weight.shape[1], out_dtype, expert_linear)
 
 
 def fp4_grouped_linear(
@@ -154,4 +165,4 @@ def fp4_grouped_linear(
         b = None if bias is None else bias[e]
         return linear.fp4_linear(rows, weight[e], scale[e], b, act_quant, act_peak, out_dtype)
 
-    return _grouped(x, offsets, weight.shape[1], out_dtype, expert_linear)
+    return by_expert(x, offsets, weight.shape[1], out_dtype, expert_linear)
