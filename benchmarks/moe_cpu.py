@@ -15,9 +15,10 @@ Variants, each measured in the same run:
 Usage::
 
     python -m benchmarks.moe_cpu                 # T = 1 decode step, 3 timed calls each
-    python -m benchmarks.moe_cpu --tokens 1 8 --all-experts
+    python -m benchmarks.moe_cpu --tokens 1 8 --all-experts --threads 1
 
-Prints a table of milliseconds per call (median) and the ratio to the baseline.
+Prints a table of wall-clock and process-CPU milliseconds per call (medians) and
+each one's speedup over the baseline (> 1 is faster).
 """
 
 import argparse
@@ -73,15 +74,21 @@ def dequantize_per_call(layer: FP4Experts, hidden, expert_ids, routing_weights, 
     return out.to(hidden.dtype)
 
 
-def median_ms(fn, reps: int, warm_up: bool = True) -> float:
+def median_ms(fn, reps: int, warm_up: bool = True) -> tuple[float, float]:
+    """Median wall-clock and process CPU milliseconds per call.
+
+    CPU time (all threads) is the steadier figure on a shared machine, where
+    wall time also counts the time other processes hold the cores.
+    """
     if warm_up:  # first-call allocations
         fn()
-    times = []
+    wall, cpu = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        w0, c0 = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+        wall.append(time.perf_counter() - w0)
+        cpu.append(time.process_time() - c0)
+    return 1e3 * statistics.median(wall), 1e3 * statistics.median(cpu)
 
 
 def main() -> None:
@@ -93,14 +100,18 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--all-experts", action="store_true", help="also time the decode-every-expert baseline")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's); 1 is steadier on a shared machine")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     layer = random_layer(args.experts, args.hidden, args.intermediate)
     quant_bytes = sum(t.numel() * t.element_size() for t in layer.state_dict().values())
     print(f"layer: {args.experts} experts, top-{args.top_k}, hidden {args.hidden}, intermediate "
           f"{args.intermediate}; MXFP4 state {quant_bytes / 2**20:.0f} MiB; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; median of {args.reps} calls")
-    print(f"{'T':>4} {'variant':<16} {'ms/call':>10} {'speedup':>9}")
+    print(f"{'T':>4} {'variant':<16} {'wall ms':>10} {'speedup':>8} {'cpu ms':>10} {'speedup':>8}")
     g = torch.Generator().manual_seed(1)
     for tokens in args.tokens:
         hidden = torch.randn(tokens, args.hidden, generator=g).to(torch.bfloat16)
@@ -116,9 +127,9 @@ def main() -> None:
             # dequant-all is slow enough that one cold call says what it costs.
             results = {name: median_ms(fn, 1, warm_up=False) if name == "dequant-all" else median_ms(fn, args.reps)
                        for name, fn in variants.items()}
-        base = results["dequant-routed"]
-        for name, ms in results.items():
-            print(f"{tokens:>4} {name:<16} {ms:>10.1f} {base / ms:>8.2f}x")
+        base_wall, base_cpu = results["dequant-routed"]
+        for name, (wall, cpu) in results.items():
+            print(f"{tokens:>4} {name:<16} {wall:>10.1f} {base_wall / wall:>7.2f}x {cpu:>10.1f} {base_cpu / cpu:>7.2f}x")
 
 
 if __name__ == "__main__":
