@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torch_bq import formats, reference
@@ -138,6 +138,8 @@ def test_bfloat16_hidden_and_routing_weights():
     assert_close_to_loop(out, module, hidden, ids, weights)
 
 
+@pytest.mark.slow
+@settings(max_examples=20)  # each example is a token-by-token loop of dense reference calls
 @given(
     kind=st.sampled_from(list(KINDS)),
     tokens=st.integers(0, 6),
