@@ -242,6 +242,10 @@ def _opcheck_samples():
                 samples.append((op, (x, weight, scale, offsets_of(counts), b, *tail)))
             else:
                 samples.append((op, (x, weight, scale, offsets_of(counts), b, [32, 32], *tail)))
+            if bias:  # the same with gradients wanted (checks the autograd registration)
+                args = list(samples[-1][1])
+                args[0], args[4] = x.clone().requires_grad_(), b.clone().requires_grad_()
+                samples.append((op, tuple(args)))
     return samples
 
 
@@ -263,3 +267,37 @@ def test_compile_fullgraph_matches_eager(fmt):
         x = torch.randn(sum(counts), 96)
         assert torch.equal(compiled(x, offsets_of(counts)), f(x, offsets_of(counts)))
 
+
+
+# --------------------------------------------------------------------------- #
+# input gradients
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8-32x32-e8m0", "fp8-128x128-f32"])
+def test_gradcheck_input_and_bias_float64(fmt):
+    # Weights k/16 with |k| <= 6 and inputs that are small integers make every step
+    # exact: the quantizers reproduce the weights, qdq is exact on these inputs (and
+    # on them +-1), float32 sums of these products are exact, so the forward is
+    # exactly the dequantized matmul and gradcheck's eps = 1 central differences are
+    # exact: atol = rtol = 0. Expert 1 has no rows (its gradient rows do not exist;
+    # its bias gradient is zero).
+    e, n, k = 3, 12, 40  # K = 40: one full and one partial 32-block
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-6, 7, (e, n, k), generator=g) / 16
+    if fmt == "fp4":
+        data, scale = zip(*(formats.quantize_fp4(w[i]) for i in range(e)))
+        kw = {}
+    else:
+        block, scale_dtype = FP8_VARIANTS[fmt]
+        data, scale = zip(*(formats.quantize_fp8(w[i], block, scale_dtype) for i in range(e)))
+        kw = {"block": block}
+    weight, scale = torch.stack(data), torch.stack(scale)
+    offsets = offsets_of([2, 0, 3])
+    x = torch.randint(-7, 8, (5, k), dtype=torch.float64, generator=g).requires_grad_()
+    bias = (torch.randint(-6, 7, (e, n), generator=g) / 4).double().requires_grad_()
+
+    def f(x, bias):
+        return grouped(fmt)(x, weight, scale, offsets, bias, out_dtype=torch.float32, **kw)
+
+    assert torch.autograd.gradcheck(f, (x, bias), eps=1.0, atol=0.0, rtol=0.0)

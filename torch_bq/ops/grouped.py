@@ -1,7 +1,7 @@
 """The ``torch_bq::`` grouped (mixture-of-experts) linear ops: schema, fake, reference body.
 
 A grouped linear runs one block-quantized linear per expert over rows that are
-already sorted by expert, with ``offsets`` in the ``torch._grouped_mm``
+already sorted by expert (with the dense ops' input-gradient backward, per expert), with ``offsets`` in the ``torch._grouped_mm``
 convention (``int32 [E]`` cumulative end offsets). The offsets are a tensor
 argument, so a caller under ``torch.compile(fullgraph=True)`` never branches on
 routing data: the op is one graph node whose output shape ``[T, N]`` depends
@@ -14,6 +14,8 @@ import torch
 
 from .. import formats
 from ..reference import grouped as ref
+from ..reference import linear as ref_linear
+from .autograd import linear_grad_input
 
 __all__ = ["fp8_grouped_linear", "fp4_grouped_linear"]
 
@@ -66,6 +68,121 @@ def _(x, weight, scale, offsets, bias, act_quant, act_peak, out_dtype):
         return torch.ops.torch_bq.fp4_linear(rows, weight[e], scale[e], b, act_quant, act_peak, out_dtype)
 
     return ref.by_expert(x, offsets, weight.shape[1], out_dtype, expert_linear)
+
+
+# --------------------------------------------------------------------------- #
+# input gradients (weights frozen; activation rounding straight-through), per expert
+# exactly as torch_bq.ops.autograd does for the dense ops
+# --------------------------------------------------------------------------- #
+
+
+# The per-expert loop reads the offsets' values, so the input gradient is an op of
+# its own: autograd (and AOT tracing of the backward) sees one node with a fake.
+
+
+def _decode_fp8_rows(weight, scale, block, n0, n1):
+    bn, bk = block
+    # n0 is a multiple of bn (slabs are whole block rows), as in the forward.
+    return formats.dequantize_fp8(weight[n0:n1], scale[n0 // bn : -(-n1 // bn)], (bn, bk), torch.float32)
+
+
+def _grouped_grad_input(grad, weight, offsets, k, x_dtype, row_multiple, decode_expert_rows) -> torch.Tensor:
+    n = weight.shape[1]
+
+    def expert_grad(e, g_rows):
+        return linear_grad_input(g_rows, n, k, ref_linear._slab_rows(k, row_multiple),
+                                 lambda n0, n1: decode_expert_rows(e, n0, n1), x_dtype)
+
+    return ref.by_expert(grad, offsets, k, x_dtype, expert_grad)
+
+
+@torch.library.custom_op("torch_bq::fp8_grouped_linear_grad_input", mutates_args=())
+def _fp8_grouped_grad_input(
+    grad: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    offsets: torch.Tensor,
+    block: Sequence[int],
+    x_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``grad [T, N]`` -> ``[T, K]``: rows of expert ``e`` times its decoded weight ``[N, K]``."""
+    block = tuple(block)
+    return _grouped_grad_input(grad, weight, offsets, weight.shape[2], x_dtype, block[0],
+                               lambda e, n0, n1: _decode_fp8_rows(weight[e], scale[e], block, n0, n1))
+
+
+@torch.library.custom_op("torch_bq::fp4_grouped_linear_grad_input", mutates_args=())
+def _fp4_grouped_grad_input(
+    grad: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    offsets: torch.Tensor,
+    in_features: int,
+    x_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``grad [T, N]`` -> ``[T, K]``: rows of expert ``e`` times its decoded weight ``[N, K]``."""
+    return _grouped_grad_input(
+        grad, weight, offsets, in_features, x_dtype, 1,
+        lambda e, n0, n1: formats.dequantize_fp4(weight[e][n0:n1], scale[e][n0:n1], in_features, torch.float32),
+    )
+
+
+@_fp8_grouped_grad_input.register_fake
+def _(grad, weight, scale, offsets, block, x_dtype):
+    return grad.new_empty((grad.shape[0], weight.shape[2]), dtype=x_dtype)
+
+
+@_fp4_grouped_grad_input.register_fake
+def _(grad, weight, scale, offsets, in_features, x_dtype):
+    return grad.new_empty((grad.shape[0], in_features), dtype=x_dtype)
+
+
+def _grouped_bias_grad(ctx, grad, offsets, num_experts):
+    """Per-expert sums of ``grad`` rows, ``[E, N]``, with static shapes (traceable)."""
+    rows = torch.arange(grad.shape[0], device=grad.device, dtype=torch.int32)
+    expert_of_row = torch.searchsorted(offsets, rows, right=True)
+    out = torch.zeros(num_experts, grad.shape[1], dtype=torch.float32, device=grad.device)
+    return out.index_add(0, expert_of_row, grad.to(torch.float32)).to(ctx.bias_dtype)
+
+
+def _grouped_setup(ctx, x, weight, scale, offsets, bias) -> None:
+    ctx.save_for_backward(weight, scale, offsets)
+    ctx.x_dtype = x.dtype
+    ctx.k = x.shape[-1]
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _fp8_grouped_setup(ctx, inputs, output) -> None:
+    x, weight, scale, offsets, bias, block, *_ = inputs
+    _grouped_setup(ctx, x, weight, scale, offsets, bias)
+    ctx.block = [int(b) for b in block]
+
+
+def _fp8_grouped_backward(ctx, grad):
+    weight, scale, offsets = ctx.saved_tensors
+    grad_x = torch.ops.torch_bq.fp8_grouped_linear_grad_input(grad, weight, scale, offsets, ctx.block, ctx.x_dtype)
+    grad_bias = _grouped_bias_grad(ctx, grad, offsets, weight.shape[0]) if ctx.needs_input_grad[4] else None
+    return grad_x, None, None, None, grad_bias, None, None, None, None
+
+
+def _fp4_grouped_setup(ctx, inputs, output) -> None:
+    x, weight, scale, offsets, bias, *_ = inputs
+    _grouped_setup(ctx, x, weight, scale, offsets, bias)
+
+
+def _fp4_grouped_backward(ctx, grad):
+    weight, scale, offsets = ctx.saved_tensors
+    grad_x = torch.ops.torch_bq.fp4_grouped_linear_grad_input(grad, weight, scale, offsets, ctx.k, ctx.x_dtype)
+    grad_bias = _grouped_bias_grad(ctx, grad, offsets, weight.shape[0]) if ctx.needs_input_grad[4] else None
+    return grad_x, None, None, None, grad_bias, None, None, None
+
+
+torch.library.register_autograd(
+    "torch_bq::fp8_grouped_linear", _fp8_grouped_backward, setup_context=_fp8_grouped_setup
+)
+torch.library.register_autograd(
+    "torch_bq::fp4_grouped_linear", _fp4_grouped_backward, setup_context=_fp4_grouped_setup
+)
 
 
 # --------------------------------------------------------------------------- #
