@@ -209,6 +209,41 @@ def test_compile_fullgraph_matches_eager_without_recompiling(kind):
 
 
 # --------------------------------------------------------------------------- #
+# gradients (inputs only; the weights are frozen)
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("kind", ["fp4-gpt-oss-bias", "fp8-32x32-swiglu"])
+def test_routing_weight_gradient_and_compiled_backward(kind):
+    module = make_module(kind)
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(5, H, generator=g).requires_grad_()
+    ids, w = routing("random", 5, 3, seed=4)
+    weights = w.clone().requires_grad_()
+    out = module(hidden, ids, weights)
+    grad = torch.randn(out.shape, generator=g)
+    out.backward(grad)
+    # out is linear in the routing weights: out = sum_j w_j y_j, and y_j is the
+    # output with one-hot weights on slot j (exact: the other terms are zeros).
+    # d(out . grad) / d w[t, j] = sum_h grad[t, h] y_j[t, h]; the module sums H
+    # float32 products: bound H * u32 * sum|grad y| (plus a rounding of each product).
+    for j in range(3):
+        one_hot = torch.zeros(5, 3)
+        one_hot[:, j] = 1
+        y = module(hidden.detach(), ids, one_hot).double()
+        expected = (grad.double() * y).sum(-1)
+        bound = (H + 1) * U32 * (grad.double() * y).abs().sum(-1)
+        assert bool(((weights.grad[:, j].double() - expected).abs() <= bound).all())
+    assert hidden.grad is not None and bool(hidden.grad.abs().sum() > 0)
+
+    compiled = torch.compile(module, fullgraph=True, dynamic=True, backend="aot_eager")
+    hidden_c = hidden.detach().clone().requires_grad_()
+    weights_c = w.clone().requires_grad_()
+    compiled(hidden_c, ids, weights_c).backward(grad)
+    assert torch.equal(hidden_c.grad, hidden.grad) and torch.equal(weights_c.grad, weights.grad)
+
+
+# --------------------------------------------------------------------------- #
 # state and construction
 # --------------------------------------------------------------------------- #
 

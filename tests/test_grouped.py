@@ -246,6 +246,14 @@ def _opcheck_samples():
                 args = list(samples[-1][1])
                 args[0], args[4] = x.clone().requires_grad_(), b.clone().requires_grad_()
                 samples.append((op, tuple(args)))
+    for fmt, op in (("fp4", torch.ops.torch_bq.fp4_grouped_linear_grad_input),
+                    ("fp8", torch.ops.torch_bq.fp8_grouped_linear_grad_input)):
+        name = "fp4" if fmt == "fp4" else "fp8-32x32-e8m0"
+        (weight, scale), _, _, _, _ = make_experts(name, 3, 24, 70)
+        weight, scale = weight.view(torch.uint8), scale.view(torch.uint8)
+        grad = torch.randn(5, 24)
+        extra = 70 if fmt == "fp4" else [32, 32]
+        samples.append((op, (grad, weight, scale, offsets_of([2, 0, 3]), extra, torch.float32)))
     return samples
 
 
@@ -274,16 +282,13 @@ def test_compile_fullgraph_matches_eager(fmt):
 # --------------------------------------------------------------------------- #
 
 
-@pytest.mark.parametrize("fmt", ["fp4", "fp8-32x32-e8m0", "fp8-128x128-f32"])
-def test_gradcheck_input_and_bias_float64(fmt):
-    # Weights k/16 with |k| <= 6 and inputs that are small integers make every step
-    # exact: the quantizers reproduce the weights, qdq is exact on these inputs (and
-    # on them +-1), float32 sums of these products are exact, so the forward is
-    # exactly the dequantized matmul and gradcheck's eps = 1 central differences are
-    # exact: atol = rtol = 0. Expert 1 has no rows (its gradient rows do not exist;
-    # its bias gradient is zero).
-    e, n, k = 3, 12, 40  # K = 40: one full and one partial 32-block
-    g = torch.Generator().manual_seed(0)
+def _integer_experts(fmt, e, n, k, seed=0):
+    """Experts quantized from weights k/16 (|k| <= 6) and their decoded float64 weights.
+
+    Decoded values are multiples of 1/32 below 1: products with small integers and
+    their sums are exact in float32.
+    """
+    g = torch.Generator().manual_seed(seed)
     w = torch.randint(-6, 7, (e, n, k), generator=g) / 16
     if fmt == "fp4":
         data, scale = zip(*(formats.quantize_fp4(w[i]) for i in range(e)))
@@ -292,10 +297,44 @@ def test_gradcheck_input_and_bias_float64(fmt):
         block, scale_dtype = FP8_VARIANTS[fmt]
         data, scale = zip(*(formats.quantize_fp8(w[i], block, scale_dtype) for i in range(e)))
         kw = {"block": block}
-    weight, scale = torch.stack(data), torch.stack(scale)
-    offsets = offsets_of([2, 0, 3])
-    x = torch.randint(-7, 8, (5, k), dtype=torch.float64, generator=g).requires_grad_()
-    bias = (torch.randint(-6, 7, (e, n), generator=g) / 4).double().requires_grad_()
+    if fmt == "fp4":
+        decoded = [formats.dequantize_fp4(data[i], scale[i], k, torch.float64) for i in range(e)]
+    else:
+        decoded = [formats.dequantize_fp8(data[i], scale[i], kw["block"], torch.float64) for i in range(e)]
+    return torch.stack(data), torch.stack(scale), torch.stack(decoded), kw, g
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_input_and_bias_gradients_are_exact(fmt):
+    # grad_x rows of expert e = grad rows @ W_e (straight through the activation
+    # rounding); grad_bias[e] = the sum of expert e's grad rows. With integer grads
+    # and these decoded weights every float32 product and sum is exact: compare exactly.
+    weight, scale, w, kw, g = _integer_experts(fmt, 4, 24, 70)
+    counts = [3, 0, 2, 4]
+    x = torch.randn(9, 70, generator=g).requires_grad_()
+    bias = torch.randn(4, 24, generator=g).requires_grad_()
+    y = grouped(fmt)(x, weight, scale, offsets_of(counts), bias, out_dtype=torch.float32, **kw)
+    grad = torch.randint(-8, 9, y.shape, generator=g).to(torch.float32)
+    y.backward(grad)
+    start = 0
+    for i, c in enumerate(counts):
+        rows = grad[start : start + c].double()
+        assert torch.equal(x.grad[start : start + c].double(), rows @ w[i])
+        assert torch.equal(bias.grad[i].double(), rows.sum(0))
+        start += c
+    assert x.grad.dtype == x.dtype and bias.grad.dtype == bias.dtype
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["fp4", "fp8-32x32-e8m0"])
+def test_gradcheck_input_and_bias_float64(fmt):
+    # Integer inputs keep qdq exact (also at +-1), and float32 sums of these products
+    # are exact, so the forward is exactly the dequantized matmul and gradcheck's
+    # eps = 1 central differences are exact: atol = rtol = 0. Expert 1 has no rows.
+    weight, scale, _, kw, g = _integer_experts(fmt, 3, 4, 40)  # K = 40: a full and a partial block
+    offsets = offsets_of([1, 0, 2])
+    x = torch.randint(-7, 8, (3, 40), dtype=torch.float64, generator=g).requires_grad_()
+    bias = (torch.randint(-6, 7, (3, 4), generator=g) / 4).double().requires_grad_()
 
     def f(x, bias):
         return grouped(fmt)(x, weight, scale, offsets, bias, out_dtype=torch.float32, **kw)
