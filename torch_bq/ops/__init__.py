@@ -7,5 +7,6 @@ kernels are registered per device by the backend modules.
 from .grouped import fp4_grouped_linear, fp8_grouped_linear
 from .linear import bf16_linear, fp4_linear, fp8_linear, fp32w_linear, qdq_fp8
 from . import autograd as _autograd  # noqa: F401,E402  (registers the input-gradient backwards)
+from .nki import register as _nki_register  # noqa: F401  (neuron kernels, only where the Neuron SDK is)
 
 __all__ = ["fp8_linear", "fp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8", "fp8_grouped_linear", "fp4_grouped_linear"]
