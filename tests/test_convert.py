@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import checkpoint_fixtures as fx
-from linear_tolerance import assert_linear_close
+from torch_bq.testing import assert_linear_close
 from torch_bq import formats
 from torch_bq.nn import (
     BF16Linear,

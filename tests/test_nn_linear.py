@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from linear_tolerance import assert_linear_close
+from torch_bq.testing import assert_linear_close
 from torch_bq import formats
 from torch_bq.nn import BF16Linear, FP4Linear, FP8Linear
 
@@ -57,8 +57,8 @@ def _bytes(t):
     [
         *[lambda lin, aq, o=o: FP8Linear.from_linear(lin, act_quant=aq, **o) for o in FP8_OPTIONS],
         lambda lin, aq: FP4Linear.from_linear(lin, act_quant=aq),
-        lambda lin, aq: BF16Linear.from_linear(lin),
-        lambda lin, aq: BF16Linear.from_linear(lin, keep_fp32=True),
+        lambda lin, aq: BF16Linear.from_linear(lin, keep_fp32=False),
+        lambda lin, aq: BF16Linear.from_linear(lin),  # a float32 weight stays float32 (fp32w)
     ],
     ids=["fp8-32x32", "fp8-128x128-f32", "fp8-1x32", "fp4", "bf16", "fp32w"],
 )
@@ -171,8 +171,10 @@ def test_module_wide_casts_leave_quantized_storage_alone(cast):
                                      "double": torch.float64}[cast]
 
 
-def test_bf16_module_keeps_fp32_weight_through_casts():
-    module = BF16Linear.from_linear(_linear(16, 4), keep_fp32=True)
+def test_bf16_module_follows_the_linear_dtype_and_keeps_it_through_casts():
+    assert BF16Linear.from_linear(_linear(16, 4).bfloat16()).weight.dtype == torch.bfloat16
+    assert BF16Linear.from_linear(_linear(16, 4).half()).weight.dtype == torch.float32  # exact widening
+    module = BF16Linear.from_linear(_linear(16, 4))
     module.half()
     assert module.weight.dtype == torch.float32
     assert "fp32w" in repr(module)
@@ -270,7 +272,7 @@ def test_from_quantized_shape_and_dtype_errors():
         FP8Linear.from_linear(_linear(100, 36)),
         FP8Linear.from_linear(_linear(100, 36), block=(128, 128), scale_dtype=torch.float32),
         FP4Linear.from_linear(_linear(101, 36)),
-        BF16Linear.from_linear(_linear(100, 36)),
+        BF16Linear.from_linear(_linear(100, 36), keep_fp32=False),
     ],
     ids=["fp8", "fp8-f32", "fp4", "bf16"],
 )
@@ -372,7 +374,7 @@ def _integer_linear(k, n):
     [
         lambda lin: FP8Linear.from_linear(lin),
         lambda lin: FP4Linear.from_linear(lin),
-        lambda lin: BF16Linear.from_linear(lin),
+        lambda lin: BF16Linear.from_linear(lin, keep_fp32=False),
     ],
     ids=["fp8", "fp4", "bf16"],
 )
@@ -388,8 +390,8 @@ def test_gradcheck_input_gradient_float64(make):
         lambda lin: FP8Linear.from_linear(lin),
         lambda lin: FP8Linear.from_linear(lin, block=(128, 128), scale_dtype=torch.float32),
         lambda lin: FP4Linear.from_linear(lin),
+        lambda lin: BF16Linear.from_linear(lin, keep_fp32=False),
         lambda lin: BF16Linear.from_linear(lin),
-        lambda lin: BF16Linear.from_linear(lin, keep_fp32=True),
     ],
     ids=["fp8", "fp8-f32", "fp4", "bf16", "fp32w"],
 )
@@ -432,3 +434,10 @@ def test_lora_style_adapter_trains_on_top():
     loss.backward()
     assert lora_a.weight.grad is not None and lora_b.weight.grad is not None
     assert x.grad is not None and bool(x.grad.abs().sum() > 0)
+
+
+def test_state_dict_errors_name_the_submodule():
+    model = nn.Sequential(nn.Identity(), FP8Linear(64, 64))
+    sd = {"1.weight": torch.zeros(64, 64, dtype=torch.float8_e4m3fn), "1.weight_scale": torch.zeros(1, 1, dtype=torch.uint8)}
+    with pytest.raises(RuntimeError, match=r"1.weight_scale: expected shape \[2, 2\]"):
+        model.load_state_dict(sd)

@@ -45,7 +45,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
@@ -65,6 +65,7 @@ __all__ = [
     "read_linear",
     "resolve_linear",
     "load_linear",
+    "build_module",
     "module_class_for",
     "INDEX_NAME",
 ]
@@ -681,24 +682,90 @@ def _detect_gpt_oss(reader: CheckpointReader, prefix: str, expert: Optional[int]
 # =========================================================================== #
 
 
-def read_linear(source: Source, layout: LinearLayout) -> LinearWeights:
+def _check_span(span, size: int, step: int, what: str, prefix: str) -> tuple[int, int]:
+    """``span = (start, stop)`` within ``size`` whose ends fall on multiples of ``step`` (or ``size``)."""
+    if span is None:
+        return 0, size
+    start, stop = (int(v) for v in span)
+    if not 0 <= start < stop <= size:
+        raise CheckpointError(f"{prefix}: {what}=({start}, {stop}) is not a non-empty range within [0, {size}]")
+    if start % step or (stop % step and stop != size):
+        raise CheckpointError(
+            f"{prefix}: {what}=({start}, {stop}) must start and end on multiples of the {step}-wide scale "
+            f"block (or end at {size}), so that every scale belongs to one shard"
+        )
+    return start, stop
+
+
+def read_linear(
+    source: Source,
+    layout: LinearLayout,
+    *,
+    rows: Optional[Sequence[int]] = None,
+    cols: Optional[Sequence[int]] = None,
+    region: Optional[Mapping[str, tuple]] = None,
+) -> LinearWeights:
     """Read and validate the tensors ``layout`` names; nothing else is read.
 
-    Returns CPU tensors in our storage dtypes (see :class:`LinearWeights`).
+    Args:
+        source: anything :class:`CheckpointReader` accepts, or a reader.
+        layout: from :func:`detect_linear`.
+        rows: ``(n0, n1)``: read only output rows ``n0:n1`` (a column-parallel shard).
+        cols: ``(k0, k1)``: read only input columns ``k0:k1`` (a row-parallel shard).
+            Both must fall on scale-block boundaries (fp4: multiples of 32 along K).
+            Only the selected bytes are read. The bias follows ``rows``; with
+            ``cols`` the whole bias is returned and the caller decides which shard adds it.
+        region: the low-level form, instead of ``rows``/``cols``: ``tensor name -> index
+            tuple`` into the stored tensor (after ``layout.expert`` is selected); only
+            that part is read, tensors not named are read whole, ``layout`` is returned
+            unchanged, and a region on fp4 data skips the odd-``K`` padding-nibble check
+            (only the reader of the last columns can make it). For shards that do not
+            fall on block boundaries (:mod:`torch_bq.distributed`).
+
+    Returns:
+        CPU tensors in our storage dtypes (see :class:`LinearWeights`); with
+        ``rows``/``cols`` its ``layout`` carries the shard's ``out_features``/``in_features``.
 
     Raises:
-        CheckpointError: a tensor is unreadable or holds NaN codes (SPEC.md §1).
+        CheckpointError: a tensor is unreadable or holds NaN codes (SPEC.md §1), or a
+            shard boundary splits a scale block.
     """
+    if region is not None and (rows is not None or cols is not None):
+        raise ValueError("read_linear: pass rows/cols or region, not both")
+    region = {} if region is None else dict(region)
+    n, k = layout.out_features, layout.in_features
+    bn, bk = layout.block if layout.block is not None else (1, 1)
+    n0, n1 = _check_span(rows, n, bn, "rows", layout.prefix)
+    k0, k1 = _check_span(cols, k, bk, "cols", layout.prefix)
+    sharded = (n0, n1, k0, k1) != (0, n, 0, k)
     with open_checkpoint(source) as reader:
-        def read(name: Optional[str], base_ndim: int) -> Optional[torch.Tensor]:
+        def read(name: Optional[str], base_ndim: int, index: tuple) -> Optional[torch.Tensor]:
             if name is None:
                 return None
-            if layout.expert is not None and len(reader.shape(name)) == base_ndim + 1:
-                return reader.get_index(name, layout.expert)
-            return reader.get(name)
+            stacked = layout.expert is not None and len(reader.shape(name)) == base_ndim + 1
+            if region:
+                index = region.get(name)
+            elif not sharded:
+                index = None
+            if index is None:
+                return reader.get_index(name, layout.expert) if stacked else reader.get(name)
+            return reader.get_slice(name)[((layout.expert,) if stacked else ()) + tuple(index)]
 
-        weight = read(layout.weight_name, 3 if layout.layout == "gpt-oss" else 2)
-        scale, bias = read(layout.scale_name, 2), read(layout.bias_name, 1)
+        row_sl = slice(n0, n1)
+        if layout.format == "fp8":
+            weight = read(layout.weight_name, 2, (row_sl, slice(k0, k1)))
+            scale = read(layout.scale_name, 2, (slice(n0 // bn, -(-n1 // bn)), slice(k0 // bk, -(-k1 // bk))))
+        elif layout.format == "fp4":
+            scale = read(layout.scale_name, 2, (row_sl, slice(k0 // 32, -(-k1 // 32))))
+            if layout.layout == "gpt-oss":
+                weight = read(layout.weight_name, 3, (row_sl, slice(k0 // 32, -(-k1 // 32))))
+            else:
+                weight = read(layout.weight_name, 2, (row_sl, slice(k0 // 2, -(-k1 // 2))))
+        else:
+            weight, scale = read(layout.weight_name, 2, (row_sl, slice(k0, k1))), None
+        bias = read(layout.bias_name, 1, (row_sl,))
+        if sharded:
+            layout = replace(layout, out_features=n1 - n0, in_features=k1 - k0)
         if layout.format == "fp8":
             weight = weight.view(torch.float8_e4m3fn) if weight.dtype == torch.uint8 else weight
             if scale.dtype == torch.uint8:
@@ -708,7 +775,7 @@ def read_linear(source: Source, layout: LinearLayout) -> LinearWeights:
             fmt_name = "fp8"
         elif layout.format == "fp4":
             if layout.layout == "gpt-oss":
-                weight = weight.reshape(layout.out_features, -1)  # [N, K/32, 16] -> [N, K/2], same byte order
+                weight = weight.reshape(weight.shape[0], -1)  # [N, K/32, 16] -> [N, K/2], same byte order
             weight = formats.as_fp4_bytes(weight, layout.weight_name)
             scale = scale.view(torch.float8_e8m0fnu)
             fmt_name = "fp4"
@@ -718,10 +785,17 @@ def read_linear(source: Source, layout: LinearLayout) -> LinearWeights:
             fmt_name = None
         if fmt_name is not None:
             try:
-                scan_nan_codes(weight, scale, name=layout.weight_name, fmt=fmt_name, in_features=layout.in_features)
+                k_check = None if layout.weight_name in region else layout.in_features
+                scan_nan_codes(weight, scale, name=layout.weight_name, fmt=fmt_name, in_features=k_check)
             except ValueError as e:
-                raise CheckpointError(str(e)) from None
-        return LinearWeights(layout, weight, scale, bias)
+                # formats names a scale "<weight>_scale"; say the checkpoint's own name instead
+                msg = str(e)
+                if msg.startswith(f"{layout.weight_name}_scale:"):
+                    msg = layout.scale_name + msg[len(layout.weight_name) + len("_scale"):]
+                if sharded:
+                    msg += f" (index within rows {n0}:{n1}, cols {k0}:{k1})"
+                raise CheckpointError(msg) from None
+        return LinearWeights(layout, weight, scale, bias, {"rows": (n0, n1), "cols": (k0, k1)})
 
 
 def resolve_linear(
@@ -732,11 +806,13 @@ def resolve_linear(
     block: Optional[Sequence[int]] = None,
     in_features: Optional[int] = None,
     format: Optional[str] = None,
+    rows: Optional[Sequence[int]] = None,
+    cols: Optional[Sequence[int]] = None,
 ) -> LinearWeights:
-    """:func:`detect_linear` then :func:`read_linear`: the layer's validated tensors."""
+    """:func:`detect_linear` then :func:`read_linear`: the layer's validated tensors (or a shard of them)."""
     with open_checkpoint(source) as reader:
         layout = detect_linear(reader, prefix, expert=expert, block=block, in_features=in_features, format=format)
-        return read_linear(reader, layout)
+        return read_linear(reader, layout, rows=rows, cols=cols)
 
 
 def module_class_for(fmt: str):
@@ -782,6 +858,7 @@ def build_module(weights: LinearWeights, cls=None, *, device="cpu", act_quant: O
 
 def load_linear(cls, source: Source, prefix: str, *, device="cpu", expert: Optional[int] = None,
                 block: Optional[Sequence[int]] = None, in_features: Optional[int] = None,
+                rows: Optional[Sequence[int]] = None, cols: Optional[Sequence[int]] = None,
                 act_quant: Optional[bool] = None, act_peak: Optional[float] = None):
     """Build a ``cls`` module from layer ``prefix`` of ``source`` (the body of ``from_checkpoint``).
 
@@ -794,6 +871,7 @@ def load_linear(cls, source: Source, prefix: str, *, device="cpu", expert: Optio
         expert: pick one expert of stacked tensors (gpt-oss ``_blocks``/``_scales``).
         block: fp8 block when the checkpoint cannot say.
         in_features: ``K`` for fp4 with odd ``K``.
+        rows, cols: load only a tensor-parallel shard (see :func:`read_linear`).
         act_quant, act_peak: module options (default: the module's defaults).
     """
     from .linear import BF16Linear, FP4Linear, FP8Linear
@@ -807,5 +885,5 @@ def load_linear(cls, source: Source, prefix: str, *, device="cpu", expert: Optio
                 f"{prefix}: the checkpoint holds {layout.format} weights ({layout.layout} layout); "
                 f"load them with {expected.__name__}, not {cls.__name__}"
             )
-        weights = read_linear(reader, layout)
+        weights = read_linear(reader, layout, rows=rows, cols=cols)
     return build_module(weights, cls, device=device, act_quant=act_quant, act_peak=act_peak)

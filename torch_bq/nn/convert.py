@@ -97,8 +97,9 @@ def quantize_(
 
     Args:
         model: any module; ``model`` itself is never replaced, only its children.
-        format: ``"fp8"`` (:class:`FP8Linear`), ``"fp4"`` (:class:`FP4Linear`) or
-            ``"bf16"`` (:class:`BF16Linear`).
+        format: ``"fp8"`` (:class:`FP8Linear`), ``"fp4"`` (:class:`FP4Linear`),
+            ``"bf16"`` (:class:`BF16Linear`, weights rounded to bf16) or ``"fp32w"``
+            (:class:`BF16Linear` keeping float32 weights).
         filter_fn: ``filter_fn(module, fully_qualified_name) -> bool``; ``None`` converts
             every ``nn.Linear``.
         options: passed to the class's ``from_linear`` (``block``, ``scale_dtype``,
@@ -111,6 +112,8 @@ def quantize_(
     error (a non-finite weight, a layer on ``meta``) leaves the model unchanged.
     """
     cls = module_class_for(format)
+    if format in ("bf16", "fp32w"):
+        options.setdefault("keep_fp32", format == "fp32w")
     report = QuantizeReport(format)
     replacements: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():

@@ -113,7 +113,7 @@ class _QuantizedLinear(nn.Module):
                     continue
                 if prefix + canonical in state_dict or len(present) > 1:
                     names = [prefix + n for n in (canonical, *present) if prefix + n in state_dict]
-                    raise ValueError(f"{prefix}{canonical}: the state dict holds more than one name for it: {names}")
+                    raise ValueError(f"{canonical}: the state dict holds more than one name for it: {names}")
                 state_dict[prefix + canonical] = state_dict.pop(prefix + present[0])
             incoming = {}
             for name in (*self._stored, "bias"):
@@ -122,8 +122,9 @@ class _QuantizedLinear(nn.Module):
                     state_dict[prefix + name] = incoming[name]
             self._validate_loaded(incoming, assign)
         except (ValueError, TypeError) as e:
-            # Nothing of this module is assigned when its state is invalid.
-            error_msgs.append(str(e))
+            # Nothing of this module is assigned when its state is invalid; messages
+            # start with the local tensor name, so the prefix makes them global.
+            error_msgs.append(f"{prefix}{e}")
             return
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -320,7 +321,7 @@ class FP8Linear(_QuantizedLinear):
         """Load ``prefix`` from a checkpoint; see :func:`torch_bq.nn.checkpoint.load_linear`.
 
         ``options`` are ``block`` (when the checkpoint cannot say), ``expert``,
-        ``act_quant`` and ``act_peak``.
+        ``rows``/``cols`` (a tensor-parallel shard), ``act_quant`` and ``act_peak``.
         """
         from .checkpoint import load_linear
 
@@ -484,7 +485,7 @@ class FP4Linear(_QuantizedLinear):
         """Load ``prefix`` from a checkpoint; see :func:`torch_bq.nn.checkpoint.load_linear`.
 
         ``options`` are ``expert`` (gpt-oss stacked experts), ``in_features``,
-        ``act_quant`` and ``act_peak``.
+        ``rows``/``cols`` (a tensor-parallel shard), ``act_quant`` and ``act_peak``.
         """
         from .checkpoint import load_linear
 
@@ -578,13 +579,20 @@ class BF16Linear(_QuantizedLinear):
         return module
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, keep_fp32: bool = False) -> "BF16Linear":
-        """Wrap an ``nn.Linear``: its weight rounded to bf16, or kept as float32 with ``keep_fp32``."""
+    def from_linear(cls, linear: nn.Linear, *, keep_fp32: Optional[bool] = None) -> "BF16Linear":
+        """Wrap an ``nn.Linear``'s weight (copied).
+
+        By default a float32 (or float16, widened exactly) weight stays float32 and
+        runs through ``fp32w_linear``; a bf16 weight runs through ``bf16_linear``.
+        ``keep_fp32=False`` rounds to bf16 up front (half the bytes, same results);
+        ``keep_fp32=True`` forces float32 storage.
+        """
         _check_linear(linear)
-        w = linear.weight.detach()
-        w = w.to(torch.float32) if keep_fp32 else w.to(torch.bfloat16)
+        if keep_fp32 is None:
+            keep_fp32 = linear.weight.dtype != torch.bfloat16
+        w = linear.weight.detach().to(torch.float32 if keep_fp32 else torch.bfloat16, copy=True)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls.from_quantized(w.clone() if w is linear.weight else w, bias)
+        return cls.from_quantized(w, bias)
 
     @classmethod
     def from_checkpoint(cls, source, prefix: str, *, device="cpu", **options: Any) -> "BF16Linear":

@@ -17,8 +17,8 @@ from .. import formats
 
 __all__ = ["SCAN_CHUNK_BYTES", "scan_nan_codes"]
 
-#: bytes of weight scanned at a time
-SCAN_CHUNK_BYTES = 16 << 20
+#: bytes of weight scanned at a time (each chunk costs about twice this in temporaries)
+SCAN_CHUNK_BYTES = 4 << 20
 
 
 def scan_nan_codes(
