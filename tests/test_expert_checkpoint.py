@@ -205,7 +205,7 @@ def test_nan_scale_code_in_one_expert(tmp_path):
     tensors = gpt_oss_tensors(quantized_module(FP4Experts, 32, bias=True))
     tensors[f"{PREFIX}.down_proj_scales"][3, 7, 0] = 255
     save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"expert 3 of .*down_proj_blocks_scale: found NaN e8m0 code 255 at index \[7, 0\]"):
+    with pytest.raises(CheckpointError, match=r"expert 3 of .*down_proj_scales: found NaN e8m0 code 255 at index \[7, 0\]"):
         FP4Experts.from_checkpoint(tmp_path / "model.safetensors", PREFIX)
 
 
