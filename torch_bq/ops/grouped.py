@@ -1,11 +1,14 @@
 """The ``torch_bq::`` grouped (mixture-of-experts) linear ops: schema, fake, reference body.
 
 A grouped linear runs one block-quantized linear per expert over rows that are
-already sorted by expert (with the dense ops' input-gradient backward, per expert), with ``offsets`` in the ``torch._grouped_mm``
+already sorted by expert, with ``offsets`` in the ``torch._grouped_mm``
 convention (``int32 [E]`` cumulative end offsets). The offsets are a tensor
 argument, so a caller under ``torch.compile(fullgraph=True)`` never branches on
 routing data: the op is one graph node whose output shape ``[T, N]`` depends
 only on shapes.
+
+Gradients: the dense ops' input-gradient backward (:mod:`torch_bq.ops.autograd`),
+applied per expert; weights and scales never get gradients.
 """
 
 from typing import Optional, Sequence

@@ -138,7 +138,7 @@ def fp8_grouped_linear(
     act_peak: float,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``[T, K]`` rows sorted by expert x fp8 ``[E, N, K]`` -> ``[T, N]``; see :func:`torch_bq.ops.fp8_grouped_linear`."""
+    """``[T, K]`` sorted by expert x fp8 ``[E, N, K]`` -> ``[T, N]``; see :func:`torch_bq.ops.fp8_grouped_linear`."""
     check_fp8_grouped_args(x, weight, scale, offsets, bias, block, act_quant, act_peak, out_dtype)
 
     def expert_linear(e: int, rows: torch.Tensor) -> torch.Tensor:
@@ -158,7 +158,10 @@ def fp4_grouped_linear(
     act_peak: float,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``[T, K]`` rows sorted by expert x fp4 ``[E, N, ceil(K/2)]`` -> ``[T, N]``; see :func:`torch_bq.ops.fp4_grouped_linear`."""
+    """``[T, K]`` sorted by expert x fp4 ``[E, N, ceil(K/2)]`` -> ``[T, N]``.
+
+    See :func:`torch_bq.ops.fp4_grouped_linear`.
+    """
     check_fp4_grouped_args(x, weight, scale, offsets, bias, act_quant, act_peak, out_dtype)
 
     def expert_linear(e: int, rows: torch.Tensor) -> torch.Tensor:
