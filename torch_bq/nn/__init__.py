@@ -7,7 +7,8 @@
 * :func:`quantize_`, :func:`load_quantized_`, :func:`convert_checkpoint` — whole models and
   checkpoints (:mod:`torch_bq.nn.convert`);
 * :class:`DrafterConfig`, :class:`DrafterLayer`, :class:`Drafter` — the DSpark
-  speculative-decoding drafter (:mod:`torch_bq.nn.drafter`), with :class:`GemmaRMSNorm`.
+  speculative-decoding drafter (:mod:`torch_bq.nn.drafter`), with :class:`GemmaRMSNorm`;
+* :class:`FP4Experts`, :class:`FP8Experts` — mixture-of-experts layers (:mod:`torch_bq.nn.experts`).
 """
 
 from .checkpoint import (
@@ -25,6 +26,7 @@ from .checkpoint import (
 from .convert import LoadReport, QuantizeReport, convert_checkpoint, load_quantized_, quantize_
 from .drafter import Drafter, DrafterLayer
 from .drafter_config import DrafterConfig
+from .experts import FP4Experts, FP8Experts
 from .linear import BF16Linear, FP4Linear, FP8Linear
 from .norm import GemmaRMSNorm
 
@@ -32,6 +34,8 @@ __all__ = [
     "FP8Linear",
     "FP4Linear",
     "BF16Linear",
+    "FP4Experts",
+    "FP8Experts",
     "CheckpointError",
     "MissingTensorError",
     "CheckpointReader",

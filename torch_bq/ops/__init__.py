@@ -5,6 +5,7 @@ kernels are registered per device by the backend modules.
 """
 
 from .attention import paged_kv_write, paged_window_attention
+from .grouped import fp4_grouped_linear, fp8_grouped_linear
 from .linear import bf16_linear, fp4_linear, fp8_linear, fp32w_linear, qdq_fp8
 from . import autograd as _autograd  # noqa: F401,E402  (registers the input-gradient backwards)
 from .nki import register as _nki_register  # noqa: F401  (neuron kernels, only where the Neuron SDK is)
@@ -15,6 +16,8 @@ __all__ = [
     "bf16_linear",
     "fp32w_linear",
     "qdq_fp8",
+    "fp8_grouped_linear",
+    "fp4_grouped_linear",
     "paged_kv_write",
     "paged_window_attention",
 ]
