@@ -277,5 +277,5 @@ def test_nan_codes_are_found_with_their_index():
         formats.find_nan_codes(None, torch.tensor([[float("nan")]]))
     packed = torch.zeros(2, 3, dtype=torch.uint8)
     packed[1, 2] = 0x10
-    with pytest.raises(ValueError, match=r"non-zero padding nibble .* at index \[1, 0\]"):
+    with pytest.raises(ValueError, match=r"non-zero padding nibble .* at index \[1, 2\]"):
         formats.find_nan_codes(packed, torch.full((2, 1), 127, dtype=torch.uint8), fmt="fp4", in_features=5)

@@ -466,14 +466,18 @@ def find_nan_codes(
         _raise_first((as_fp8_bytes(data, name) & 0x7F) == 0x7F, name, "NaN e4m3 code 0x7F/0xFF")
     elif fmt == "fp4":
         if in_features is not None and in_features % 2:
-            pad = as_fp4_bytes(data, name)[:, -1:] >> 4
-            _raise_first(pad != 0, name, f"a non-zero padding nibble (K={in_features} is odd)")
+            packed = as_fp4_bytes(data, name)
+            pad = packed[:, -1:] >> 4
+            # Index into the packed tensor, not into the one-column slice scanned.
+            last = [0, packed.shape[1] - 1]
+            _raise_first(pad != 0, name, f"a non-zero padding nibble (K={in_features} is odd)", offset=last)
     else:
         raise ValueError(f"fmt: expected 'fp8' or 'fp4', got {fmt!r}")
 
 
-def _raise_first(bad: torch.Tensor, name: str, what: str) -> None:
+def _raise_first(bad: torch.Tensor, name: str, what: str, offset: Sequence[int] = ()) -> None:
     if bool(bad.any()):
         index = [int(i) for i in bad.nonzero()[0]]
+        index = [i + o for i, o in zip(index, offset)] + index[len(offset):]
         raise ValueError(f"{name}: found {what} at index {index}; the tensor is corrupt")
 
