@@ -86,6 +86,12 @@ def test_zero_and_tiny_blocks_use_the_amax_floor():
     assert u8(got[0]).eq(0).all()
     # amax floored to 1e-4 -> s = 2**ceil(log2(1e-4 / 224)) = 2**-21; 1e-30 / s rounds to 0.
     assert got[1, 35].item() == 0.0
+    # A block whose amax is below the floor but not negligible: 3e-9 / 2**-21 = 3.2 * 2**-9,
+    # an e4m3 subnormal that rounds to 3 * 2**-9, so the result is 3 * 2**-30. Without the
+    # floor (s = 2**-36) or with another one (1e-5: s = 2**-24) it would keep more bits.
+    x = torch.zeros(1, 32)
+    x[0, 7] = 3e-9
+    assert formats.qdq_fp8(x)[0, 7].item() == 3 * 2.0**-30
 
 
 @pytest.mark.parametrize("k", [1, 31, 33, 64, 95])
