@@ -23,7 +23,6 @@ from typing import Callable, Sequence
 
 import torch
 
-from .. import formats
 from ..reference import linear as ref
 from . import linear as _ops  # noqa: F401  (defines the ops registered below)
 
@@ -76,14 +75,12 @@ def fp8_linear_grad_input(
     grad: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: Sequence[int], x_dtype: torch.dtype
 ) -> torch.Tensor:
     """``grad [..., N] @ W [N, K]`` for an fp8 weight (see :func:`torch_bq.ops.fp8_linear`)."""
-    bn, bk = block
     n, k = weight.shape
 
     def decode(n0: int, n1: int) -> torch.Tensor:
-        # n0 is a multiple of bn (slabs are whole block rows), as in the forward.
-        return formats.dequantize_fp8(weight[n0:n1], scale[n0 // bn : -(-n1 // bn)], (bn, bk), torch.float32)
+        return ref.decode_fp8_rows(weight, scale, block, n0, n1)
 
-    return linear_grad_input(grad, n, k, ref._slab_rows(k, bn), decode, x_dtype)
+    return linear_grad_input(grad, n, k, ref._slab_rows(k, block[0]), decode, x_dtype)
 
 
 @fp8_linear_grad_input.register_fake
@@ -99,7 +96,7 @@ def fp4_linear_grad_input(
     n, k = weight.shape[0], in_features
 
     def decode(n0: int, n1: int) -> torch.Tensor:
-        return formats.dequantize_fp4(weight[n0:n1], scale[n0:n1], k, torch.float32)
+        return ref.decode_fp4_rows(weight, scale, k, n0, n1)
 
     return linear_grad_input(grad, n, k, ref._slab_rows(k, 1), decode, x_dtype)
 
@@ -116,7 +113,7 @@ def dense_linear_grad_input(grad: torch.Tensor, weight: torch.Tensor, x_dtype: t
 
     def decode(n0: int, n1: int) -> torch.Tensor:
         # fp32w narrows its weight to bf16 in the forward, so the backward does too.
-        return weight[n0:n1].to(torch.bfloat16).to(torch.float32)
+        return ref.decode_dense_rows(weight, n0, n1)
 
     return linear_grad_input(grad, n, k, ref._slab_rows(k, 1), decode, x_dtype)
 

@@ -83,12 +83,6 @@ def _(x, weight, scale, offsets, bias, act_quant, act_peak, out_dtype):
 # its own: autograd (and AOT tracing of the backward) sees one node with a fake.
 
 
-def _decode_fp8_rows(weight, scale, block, n0, n1):
-    bn, bk = block
-    # n0 is a multiple of bn (slabs are whole block rows), as in the forward.
-    return formats.dequantize_fp8(weight[n0:n1], scale[n0 // bn : -(-n1 // bn)], (bn, bk), torch.float32)
-
-
 def _grouped_grad_input(grad, weight, offsets, k, x_dtype, row_multiple, decode_expert_rows) -> torch.Tensor:
     n = weight.shape[1]
 
@@ -111,7 +105,7 @@ def _fp8_grouped_grad_input(
     """``grad [T, N]`` -> ``[T, K]``: rows of expert ``e`` times its decoded weight ``[N, K]``."""
     block = tuple(block)
     return _grouped_grad_input(grad, weight, offsets, weight.shape[2], x_dtype, block[0],
-                               lambda e, n0, n1: _decode_fp8_rows(weight[e], scale[e], block, n0, n1))
+                               lambda e, n0, n1: ref_linear.decode_fp8_rows(weight[e], scale[e], block, n0, n1))
 
 
 @torch.library.custom_op("torch_bq::fp4_grouped_linear_grad_input", mutates_args=())
@@ -126,7 +120,7 @@ def _fp4_grouped_grad_input(
     """``grad [T, N]`` -> ``[T, K]``: rows of expert ``e`` times its decoded weight ``[N, K]``."""
     return _grouped_grad_input(
         grad, weight, offsets, in_features, x_dtype, 1,
-        lambda e, n0, n1: formats.dequantize_fp4(weight[e][n0:n1], scale[e][n0:n1], in_features, torch.float32),
+        lambda e, n0, n1: ref_linear.decode_fp4_rows(weight[e], scale[e], in_features, n0, n1),
     )
 
 

@@ -28,6 +28,9 @@ __all__ = [
     "check_fp8_linear_args",
     "check_fp4_linear_args",
     "check_dense_linear_args",
+    "decode_fp8_rows",
+    "decode_fp4_rows",
+    "decode_dense_rows",
 ]
 
 SLAB_BYTES = 8 << 20
@@ -96,6 +99,23 @@ def _activation(x: torch.Tensor, act_quant: bool, act_peak: float) -> torch.Tens
     return a.to(torch.float32)
 
 
+def decode_fp8_rows(weight: torch.Tensor, scale: torch.Tensor, block: Sequence[int], n0: int, n1: int) -> torch.Tensor:
+    """Rows ``n0:n1`` of an fp8 weight decoded to float32; ``n0`` must be a multiple of ``bn``
+    (slabs are whole block rows), so the slab's scales start at row ``n0 // bn``."""
+    bn, bk = block
+    return formats.dequantize_fp8(weight[n0:n1], scale[n0 // bn : -(-n1 // bn)], (bn, bk), torch.float32)
+
+
+def decode_fp4_rows(weight: torch.Tensor, scale: torch.Tensor, k: int, n0: int, n1: int) -> torch.Tensor:
+    """Rows ``n0:n1`` of an MXFP4 weight with ``K = k`` decoded to float32 (scales are per row)."""
+    return formats.dequantize_fp4(weight[n0:n1], scale[n0:n1], k, torch.float32)
+
+
+def decode_dense_rows(weight: torch.Tensor, n0: int, n1: int) -> torch.Tensor:
+    """Rows ``n0:n1`` of a bf16 or float32 (fp32w) weight as the op uses them: bf16 values in float32."""
+    return weight[n0:n1].to(torch.bfloat16).to(torch.float32)
+
+
 def _slab_rows(k: int, row_multiple: int) -> int:
     rows = max(1, SLAB_BYTES // (4 * max(k, 1)))
     return max(row_multiple, rows // row_multiple * row_multiple)
@@ -132,16 +152,13 @@ def fp8_linear(
 ) -> torch.Tensor:
     """``[..., K] x fp8 [N, K] -> [..., N]``; see :func:`torch_bq.ops.fp8_linear`."""
     check_fp8_linear_args(x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
-    bn, bk = block
     n = weight.shape[0]
 
     def decode(n0: int, n1: int) -> torch.Tensor:
-        # n0 is a multiple of bn, so the slab's scales start at row n0 // bn.
-        s = scale[n0 // bn : -(-n1 // bn)]
-        return formats.dequantize_fp8(weight[n0:n1], s, (bn, bk), torch.float32)
+        return decode_fp8_rows(weight, scale, block, n0, n1)
 
     a = _activation(x, act_quant, act_peak)
-    return _slabbed_linear(a, n, _slab_rows(weight.shape[1], bn), decode, bias, x.shape[:-1], out_dtype)
+    return _slabbed_linear(a, n, _slab_rows(weight.shape[1], block[0]), decode, bias, x.shape[:-1], out_dtype)
 
 
 def fp4_linear(
@@ -159,7 +176,7 @@ def fp4_linear(
     n = weight.shape[0]
 
     def decode(n0: int, n1: int) -> torch.Tensor:
-        return formats.dequantize_fp4(weight[n0:n1], scale[n0:n1], k, torch.float32)
+        return decode_fp4_rows(weight, scale, k, n0, n1)
 
     a = _activation(x, act_quant, act_peak)
     return _slabbed_linear(a, n, _slab_rows(k, 1), decode, bias, x.shape[:-1], out_dtype)
@@ -169,7 +186,7 @@ def _dense_linear(x, weight, bias, out_dtype) -> torch.Tensor:
     n, k = weight.shape
 
     def decode(n0: int, n1: int) -> torch.Tensor:
-        return weight[n0:n1].to(torch.bfloat16).to(torch.float32)
+        return decode_dense_rows(weight, n0, n1)
 
     a = _activation(x, False, formats.DEFAULT_ACT_PEAK)
     return _slabbed_linear(a, n, _slab_rows(k, 1), decode, bias, x.shape[:-1], out_dtype)
