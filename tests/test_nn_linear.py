@@ -337,6 +337,13 @@ def test_state_dict_errors_leave_module_untouched():
     with pytest.raises(RuntimeError, match="weight_scale: expected shape"):
         dst.load_state_dict({"weight": src.weight, "weight_scale": src.weight_scale[:1], "bias": src.bias})
     assert unchanged()
+    # wrong weight shape with the module's (right) scale: the weight is named, not the scale
+    with pytest.raises(RuntimeError, match=r"\tweight: expected shape \[64, 64\], got \[32, 64\]"):
+        dst.load_state_dict({"weight": src.weight[:32], "weight_scale": src.weight_scale, "bias": src.bias})
+    assert unchanged()
+    fp4 = FP4Linear.from_linear(_linear(64, 64))
+    with pytest.raises(RuntimeError, match=r"\tweight: expected shape \[64, 32\], got \[32, 32\]"):
+        fp4.load_state_dict({"weight": fp4.weight[:32], "weight_scale": fp4.weight_scale})
 
 
 def test_assign_load_may_change_scale_dtype():

@@ -349,11 +349,13 @@ class FP8Linear(_QuantizedLinear):
         self._check_scale_dtype_change(incoming, assign)
         weight = incoming.get("weight", self.weight)
         scale = incoming.get("weight_scale", self.weight_scale)
-        formats.check_fp8_weight(weight, scale, self.block)
+        # The weight against the module first: checking the scale against a wrong weight
+        # would blame the (correct) scale.
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(
                 f"weight: expected shape [{self.out_features}, {self.in_features}], got {list(weight.shape)}"
             )
+        formats.check_fp8_weight(weight, scale, self.block)
         if not weight.is_meta and not scale.is_meta:
             scan_nan_codes(weight if "weight" in incoming else None,
                            scale if "weight_scale" in incoming else None, fmt="fp8")
@@ -510,11 +512,11 @@ class FP4Linear(_QuantizedLinear):
     def _validate_loaded(self, incoming, assign):
         weight = incoming.get("weight", self.weight)
         scale = incoming.get("weight_scale", self.weight_scale)
-        formats.check_fp4_weight(weight, scale, self.in_features)
-        if weight.shape[0] != self.out_features:
+        if tuple(weight.shape) != (self.out_features, -(-self.in_features // 2)):
             raise ValueError(
                 f"weight: expected shape [{self.out_features}, {-(-self.in_features // 2)}], got {list(weight.shape)}"
             )
+        formats.check_fp4_weight(weight, scale, self.in_features)
         if not weight.is_meta and not scale.is_meta:
             scan_nan_codes(weight if "weight" in incoming else None,
                            scale if "weight_scale" in incoming else None,
