@@ -249,6 +249,8 @@ def test_shape_mismatches_are_named():
         formats.quantize_fp4(torch.zeros(4, 4), "nearest")
     with pytest.raises(ValueError, match="peak"):
         formats.qdq_fp8(torch.zeros(4), 500.0)
+    with pytest.raises(ValueError, match=r"x: expected shape \[\.\.\., K\]"):
+        formats.qdq_fp8(torch.tensor(1.0))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])

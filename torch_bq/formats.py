@@ -349,6 +349,8 @@ def qdq_fp8(x: torch.Tensor, peak: float = DEFAULT_ACT_PEAK) -> torch.Tensor:
         raise TypeError(f"x: expected a floating-point dtype, got {x.dtype}")
     if not 0.0 < peak <= FP8_MAX:
         raise ValueError(f"peak: expected 0 < peak <= {FP8_MAX}, got {peak}")
+    if x.dim() == 0:
+        raise ValueError("x: expected shape [..., K] (at least one dim), got a 0-d tensor")
     k = x.shape[-1]
     xb = x.to(torch.bfloat16).to(torch.float32)
     blocks = torch.nn.functional.pad(xb, (0, -k % QDQ_BLOCK)).unflatten(-1, (-1, QDQ_BLOCK))
