@@ -211,7 +211,7 @@ def test_bad_shapes_raise():
         ops.fp4_grouped_linear(x, weight, scale[:2], offsets)
     with pytest.raises(ValueError, match=r"bias: expected a 2-D \[3, N\]"):
         ops.fp4_grouped_linear(x, weight, scale, offsets, b[0])
-    with pytest.raises(ValueError, match=r"bias: expected shape \[8\]"):
+    with pytest.raises(ValueError, match=r"bias: expected a 2-D \[3, N\] = \[3, 8\] per-expert tensor, got shape \[3, 4\]"):
         ops.fp4_grouped_linear(x, weight, scale, offsets, b[:, :4])
     with pytest.raises(ValueError, match=r"weight: expected shape \[N, 16\]"):
         ops.fp4_grouped_linear(torch.randn(4, 32), weight, scale, offsets)

@@ -60,9 +60,10 @@ def _check_stacked(
             f"offsets: expected shape [{num_experts}] (one cumulative end offset per expert), "
             f"got {list(offsets.shape)}"
         )
-    if bias is not None and (bias.dim() != 2 or bias.shape[0] != num_experts):
+    if bias is not None and tuple(bias.shape) != (num_experts, weight.shape[1]):
         raise ValueError(
-            f"bias: expected a 2-D [{num_experts}, N] per-expert tensor, got shape {list(bias.shape)}"
+            f"bias: expected a 2-D [{num_experts}, N] = [{num_experts}, {weight.shape[1]}] per-expert tensor, "
+            f"got shape {list(bias.shape)}"
         )
     return num_experts
 
