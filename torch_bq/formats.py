@@ -41,6 +41,7 @@ __all__ = [
     "check_fp8_weight",
     "check_fp4_weight",
     "check_finite",
+    "check_peak",
     "find_nan_codes",
     "as_e8m0_codes",
     "as_fp8_bytes",
@@ -347,8 +348,7 @@ def qdq_fp8(x: torch.Tensor, peak: float = DEFAULT_ACT_PEAK) -> torch.Tensor:
     """
     if not x.dtype.is_floating_point:
         raise TypeError(f"x: expected a floating-point dtype, got {x.dtype}")
-    if not 0.0 < peak <= FP8_MAX:
-        raise ValueError(f"peak: expected 0 < peak <= {FP8_MAX}, got {peak}")
+    check_peak(peak, "peak")
     if x.dim() == 0:
         raise ValueError("x: expected shape [..., K] (at least one dim), got a 0-d tensor")
     k = x.shape[-1]
@@ -434,6 +434,13 @@ def check_fp4_weight(
             f"{name}_scale: expected shape {list(expected)} for K={in_features} "
             f"(one e8m0 code per 1x32 block), got {list(scale.shape)}"
         )
+
+
+def check_peak(peak: float, name: str = "act_peak") -> None:
+    """Raise ``ValueError`` unless ``0 < peak <= 448`` (the qdq peak of SPEC.md §3)."""
+    if not 0.0 < peak <= FP8_MAX:
+        short = name.rsplit(".", 1)[-1]
+        raise ValueError(f"{name}: expected 0 < {short} <= {FP8_MAX}, got {peak}")
 
 
 def check_finite(x: torch.Tensor, name: str) -> None:

@@ -90,8 +90,7 @@ class DrafterConfig:
             raise ValueError(
                 f"DrafterConfig.weight_format: expected one of {sorted(WEIGHT_FORMATS)}, got {self.weight_format!r}"
             )
-        if not 0.0 < self.act_peak <= formats.FP8_MAX:
-            raise ValueError(f"DrafterConfig.act_peak: expected 0 < act_peak <= {formats.FP8_MAX}, got {self.act_peak}")
+        formats.check_peak(self.act_peak, "DrafterConfig.act_peak")
 
     @property
     def num_groups(self) -> int:

@@ -109,8 +109,7 @@ class _Experts(_QuantizedLinear):
                             ("intermediate_size", intermediate_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if not 0.0 < act_peak <= formats.FP8_MAX:
-            raise ValueError(f"act_peak: expected 0 < act_peak <= {formats.FP8_MAX}, got {act_peak}")
+        formats.check_peak(act_peak)
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size

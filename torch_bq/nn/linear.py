@@ -217,8 +217,7 @@ class FP8Linear(_QuantizedLinear):
             scale_dtype = torch.float8_e8m0fnu  # the same bytes
         if scale_dtype not in (torch.float8_e8m0fnu, torch.float32):
             raise TypeError(f"scale_dtype: expected torch.float8_e8m0fnu or torch.float32, got {scale_dtype}")
-        if not 0.0 < act_peak <= formats.FP8_MAX:
-            raise ValueError(f"act_peak: expected 0 < act_peak <= {formats.FP8_MAX}, got {act_peak}")
+        formats.check_peak(act_peak)
         self.in_features = in_features
         self.out_features = out_features
         self.block = formats._check_block(block)
@@ -397,8 +396,7 @@ class FP4Linear(_QuantizedLinear):
     ) -> None:
         super().__init__()
         _check_features(in_features, out_features)
-        if not 0.0 < act_peak <= formats.FP8_MAX:
-            raise ValueError(f"act_peak: expected 0 < act_peak <= {formats.FP8_MAX}, got {act_peak}")
+        formats.check_peak(act_peak)
         self.in_features = in_features
         self.out_features = out_features
         self.act_quant = bool(act_quant)

@@ -57,16 +57,11 @@ def _check_common(x: torch.Tensor, n: int, k: int, bias: Optional[torch.Tensor],
         raise TypeError(f"out_dtype: expected one of {_OUT_DTYPES}, got {out_dtype}")
 
 
-def _check_peak(act_peak: float) -> None:
-    if not 0.0 < act_peak <= formats.FP8_MAX:
-        raise ValueError(f"act_peak: expected 0 < act_peak <= {formats.FP8_MAX}, got {act_peak}")
-
-
 def check_fp8_linear_args(x, weight, scale, bias, block, act_quant, act_peak, out_dtype) -> None:
     """Raise on dtype/shape errors in ``fp8_linear``'s arguments."""
     formats.check_fp8_weight(weight, scale, block)
     _check_common(x, weight.shape[0], weight.shape[1], bias, out_dtype)
-    _check_peak(act_peak)
+    formats.check_peak(act_peak)
 
 
 def check_fp4_linear_args(x, weight, scale, bias, act_quant, act_peak, out_dtype) -> None:
@@ -75,7 +70,7 @@ def check_fp4_linear_args(x, weight, scale, bias, act_quant, act_peak, out_dtype
         raise ValueError(f"x: expected shape [..., K], got {list(x.shape)}")
     formats.check_fp4_weight(weight, scale, x.shape[-1])
     _check_common(x, weight.shape[0], x.shape[-1], bias, out_dtype)
-    _check_peak(act_peak)
+    formats.check_peak(act_peak)
 
 
 def check_dense_linear_args(x, weight, bias, out_dtype, weight_dtype: torch.dtype) -> None:
