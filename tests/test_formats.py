@@ -277,6 +277,10 @@ def test_nan_codes_are_found_with_their_index():
         formats.find_nan_codes(data, scale.view(torch.float8_e8m0fnu), name="w")
     with pytest.raises(ValueError, match=r"weight_scale: found a non-finite or non-positive scale at index \[0, 0\]"):
         formats.find_nan_codes(None, torch.tensor([[float("nan")]]))
+    # float32 multipliers must be positive too: a zero or negative scale is not a DeepSeek scale
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match=r"non-positive scale at index \[1, 0\]"):
+            formats.find_nan_codes(None, torch.tensor([[1.0, 2.0], [bad, 1.0]]))
     packed = torch.zeros(2, 3, dtype=torch.uint8)
     packed[1, 2] = 0x10
     with pytest.raises(ValueError, match=r"non-zero padding nibble .* at index \[1, 2\]"):
