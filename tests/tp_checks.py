@@ -77,16 +77,21 @@ def make_layer(fmt: str, n: int, k: int, *, bias: bool = True, seed: int = 0):
 
 
 def make_input(k: int, lead=(5,), seed: int = 7) -> torch.Tensor:
-    """``[*lead, k]`` with a spike in the first column of every 32-wide block.
+    """``[*lead, k]`` with a spike in the first (even rows) or last (odd rows) column of
+    every 32-wide block.
 
     The spike sets each qdq block's scale to 2**6 (amax 2**13 / peak 224 -> 2**6), which
     puts the block's ordinary values (|x| ~ 1 < 2**-6 * 2**6) into e4m3's subnormal range.
-    A rank holding only the later part of a cut block that quantized it on its own would
-    pick a scale near 2**-6, keep 3 mantissa bits there, and differ.
+    A rank holding only the part of a cut block without the spike that quantized it on its
+    own would pick a scale near 2**-6, keep 3 mantissa bits there, and differ. The spike
+    sits at either end so that both the rank after a cut (which lacks the block's start)
+    and the rank before it (which lacks its end) depend on the exchanged maxima.
     """
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(*lead, k, generator=gen)
-    x[..., ::32] = 2.0**13 * torch.sign(x[..., ::32] + 0.5)
+    rows = x.view(-1, k)
+    rows[0::2, ::32] = 2.0**13 * torch.sign(rows[0::2, ::32] + 0.5)
+    rows[1::2, 31::32] = 2.0**13 * torch.sign(rows[1::2, 31::32] + 0.5)
     return x
 
 
