@@ -327,10 +327,13 @@ class FP8Linear(_QuantizedLinear):
         return load_linear(cls, source, prefix, device=device, **options)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> nn.Linear:
-        """An ``nn.Linear`` of ``dtype`` holding the decoded weight (exact in bf16) and the bias.
+        """An ``nn.Linear`` of ``dtype`` holding the decoded weight and the bias.
 
-        It computes ``F.linear`` without activation quantization, so it equals this
-        module exactly only when ``act_quant=False``.
+        With e8m0 scales the decoded weight is exact in bf16; float32 scales that are
+        not powers of two (DeepSeek-V3's ``weight_scale_inv``) give products that bf16
+        rounds, so ask for ``dtype=torch.float32`` to get the values the op uses.
+        It computes ``F.linear`` without activation quantization, so it matches this
+        module (up to summation order) only when ``act_quant=False``.
         """
         w = formats.dequantize_fp8(self.weight, self.weight_scale, self.block, dtype=dtype)
         return _dense_linear(w, self.bias, dtype)
