@@ -26,9 +26,6 @@ __all__ = [
     "main",
 ]
 
-_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".scale")
-
-
 # =========================================================================== #
 # inspect
 # =========================================================================== #
@@ -53,6 +50,8 @@ class InspectRow:
 
 
 def _layer_prefixes(keys: Sequence[str]) -> list[str]:
+    from .nn.checkpoint import _SCALE_SUFFIXES  # the loader's scale names, so both agree
+
     keyset = set(keys)
     prefixes = set()
     for k in keys:
