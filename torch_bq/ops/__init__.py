@@ -6,4 +6,6 @@ kernels are registered per device by the backend modules.
 
 from .linear import bf16_linear, fp4_linear, fp8_linear, fp32w_linear, qdq_fp8
 
+from . import cpu  # noqa: E402,F401  (registers the fast CPU kernels)
+
 __all__ = ["fp8_linear", "fp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8"]
