@@ -363,7 +363,7 @@ def qdq_fp8(x: torch.Tensor, peak: float = DEFAULT_ACT_PEAK) -> torch.Tensor:
     recip = ((254 - biased) << 23).view(torch.float32)
     q = (blocks * recip).to(torch.float8_e4m3fn)
     out = (q.to(torch.float32) * scale).to(torch.bfloat16)
-    return out.flatten(-2)[..., :k]
+    return out.flatten(-2)[..., :k].contiguous()
 
 
 # --------------------------------------------------------------------------- #
