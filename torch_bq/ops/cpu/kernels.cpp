@@ -49,6 +49,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #if defined(TORCH_BQ_AVX2)
 #include <immintrin.h>
@@ -149,8 +150,29 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Whether the vector path may fold the decoder's 2**-8 into this scale.
-inline bool vector_scale_ok(float s, float folded) { return std::isfinite(folded) || !std::isfinite(s); }
+// The block scale times the vector decoder's factor (2**8 for fp8), and
+// whether the vector path may use it: false when the product would overflow
+// although the decoded values do not (scale near 2**127); such blocks take
+// the scalar path. e8m0 codes fold exactly: (c + 8) << 23 is 2**(c - 127 + 8),
+// code 0 (2**-127) included.
+template <class Fmt>
+inline float folded_scale(const uint8_t* s, int64_t i, bool& ok) {
+  const uint32_t code = s[i];
+  if constexpr (Fmt::kVectorFactor == 1.0f) {
+    return kTables.e8m0[code];  // NaN code 255 stays NaN, as in the reference
+  } else {
+    static_assert(Fmt::kVectorFactor == 256.0f, "fp8 decodes to value / 2**8");
+    ok = ok && code <= 246;
+    return f32_from_bits((code + 8) << 23);
+  }
+}
+
+template <class Fmt>
+inline float folded_scale(const float* s, int64_t i, bool& ok) {
+  const float folded = s[i] * Fmt::kVectorFactor;
+  ok = ok && (std::isfinite(folded) || !std::isfinite(s[i]));
+  return folded;
+}
 #endif
 
 struct WeightView {
@@ -183,6 +205,10 @@ void dot_tile(const WeightView& w, const float* A, int64_t m0, int64_t n0, float
 
   float total[MT][NT];
   bool vector_skipped_a_block = false;
+  // Single-row tiles are decode-bound: factor power-of-two (e8m0) scales out
+  // of the block's dot product. Float32 scales are multiplied into each
+  // element, exactly as the reference forms the weight.
+  constexpr bool kFactorScale = MT == 1 && std::is_same_v<S, uint8_t>;
 #if defined(TORCH_BQ_AVX2)
   {
     __m256 acc[MT][NT];
@@ -194,24 +220,37 @@ void dot_tile(const WeightView& w, const float* A, int64_t m0, int64_t n0, float
       if (vector_end == k0) continue;
       bool ok = true;
       __m256 sv[NT];
-      for (int j = 0; j < NT; ++j) {
-        const float s = scale_value(srows[j], b), folded = s * Fmt::kVectorFactor;
-        ok = ok && vector_scale_ok(s, folded);
-        sv[j] = _mm256_set1_ps(folded);
-      }
+      for (int j = 0; j < NT; ++j) sv[j] = _mm256_set1_ps(folded_scale<Fmt>(srows[j], b, ok));
       if (!ok) {
         vector_skipped_a_block = true;
         continue;
       }
-      for (int64_t k = k0; k < vector_end; k += 16) {
-        for (int j = 0; j < NT; ++j) {
-          __m256 w0, w1;
-          Fmt::decode16(rows[j], k, w0, w1);
-          w0 = _mm256_mul_ps(w0, sv[j]);
-          w1 = _mm256_mul_ps(w1, sv[j]);
-          for (int i = 0; i < MT; ++i) {
-            acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(arows[i] + k), w0, acc[i][j]);
-            acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(arows[i] + k + 8), w1, acc[i][j]);
+      if constexpr (kFactorScale) {
+        // sum_k a * (w * s) == s * sum_k a * w exactly for a power-of-two s:
+        // one multiply per block instead of one per element.
+        __m256 block_acc[NT];
+        for (int j = 0; j < NT; ++j) block_acc[j] = _mm256_setzero_ps();
+        for (int64_t k = k0; k < vector_end; k += 16) {
+          const __m256 a0 = _mm256_loadu_ps(arows[0] + k), a1 = _mm256_loadu_ps(arows[0] + k + 8);
+          for (int j = 0; j < NT; ++j) {
+            __m256 w0, w1;
+            Fmt::decode16(rows[j], k, w0, w1);
+            block_acc[j] = _mm256_fmadd_ps(a0, w0, block_acc[j]);
+            block_acc[j] = _mm256_fmadd_ps(a1, w1, block_acc[j]);
+          }
+        }
+        for (int j = 0; j < NT; ++j) acc[0][j] = _mm256_fmadd_ps(block_acc[j], sv[j], acc[0][j]);
+      } else {
+        for (int64_t k = k0; k < vector_end; k += 16) {
+          for (int j = 0; j < NT; ++j) {
+            __m256 w0, w1;
+            Fmt::decode16(rows[j], k, w0, w1);
+            w0 = _mm256_mul_ps(w0, sv[j]);
+            w1 = _mm256_mul_ps(w1, sv[j]);
+            for (int i = 0; i < MT; ++i) {
+              acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(arows[i] + k), w0, acc[i][j]);
+              acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(arows[i] + k + 8), w1, acc[i][j]);
+            }
           }
         }
       }
@@ -235,7 +274,7 @@ void dot_tile(const WeightView& w, const float* A, int64_t m0, int64_t n0, float
     for (int j = 0; j < NT; ++j) {
       s[j] = scale_value(srows[j], b);
 #if defined(TORCH_BQ_AVX2)
-      ok = ok && vector_scale_ok(s[j], s[j] * Fmt::kVectorFactor);
+      folded_scale<Fmt>(srows[j], b, ok);
 #endif
     }
     const int64_t start = (vector_pass && ok) ? k0 + (k1 - k0) / 16 * 16 : k0;
@@ -298,8 +337,9 @@ void dequantize_row(const WeightView& w, int64_t n, float* dst) {
     const float s = scale_value(srow, b);
     int64_t k = k0;
 #if defined(TORCH_BQ_AVX2)
-    const float folded = s * Fmt::kVectorFactor;
-    if (vector_scale_ok(s, folded)) {
+    bool ok = true;
+    const float folded = folded_scale<Fmt>(srow, b, ok);
+    if (ok) {
       const __m256 sv = _mm256_set1_ps(folded);
       for (; k + 16 <= k1; k += 16) {
         __m256 w0, w1;
