@@ -45,6 +45,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -313,12 +314,29 @@ void decode_rows(const WeightView& w, const float* A, int64_t M, int64_t n_begin
   for (; n < n_end; ++n) rows_tile<Fmt, S, 1>(w, A, M, n, out, N);
 }
 
+// Runs task(i) for i in [0, count) on torch's intra-op threads. Tasks are
+// handed out from a shared counter rather than split up front, so a thread
+// the OS schedules late (a busy machine) only delays the call by the task it
+// is on, not by a fixed share of the work. Which thread runs a task never
+// changes what the task computes.
+template <class Task>
+void run_tasks(int64_t count, const Task& task) {
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), count);
+  if (workers <= 1) {
+    for (int64_t i = 0; i < count; ++i) task(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) task(i);
+  });
+}
+
 template <class Fmt, class S>
 void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, float* out) {
   constexpr int64_t kRowsPerTask = 16;  // multiple of the tile height NT
-  const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    decode_rows<Fmt, S>(w, A, M, t0 * kRowsPerTask, std::min(N, t1 * kRowsPerTask), out, N);
+  run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
+    decode_rows<Fmt, S>(w, A, M, t * kRowsPerTask, std::min(N, (t + 1) * kRowsPerTask), out, N);
   });
 }
 
@@ -362,9 +380,7 @@ void panel_linear(const WeightView& w, const at::Tensor& A, int64_t N, int64_t p
   float* p = panel.data_ptr<float>();
   for (int64_t n0 = 0; n0 < N; n0 += panel_rows) {
     const int64_t rows_here = std::min(panel_rows, N - n0);
-    at::parallel_for(0, rows_here, 1, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) dequantize_row<Fmt, S>(w, n0 + r, p + r * K);
-    });
+    run_tasks(rows_here, [&](int64_t r) { dequantize_row<Fmt, S>(w, n0 + r, p + r * K); });
     out.narrow(1, n0, rows_here).copy_(at::mm(A, panel.narrow(0, 0, rows_here).t()));
   }
 }
