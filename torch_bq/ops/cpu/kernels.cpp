@@ -19,12 +19,16 @@
 //        exactly as the reference does; products and sums are fp32; only the
 //        summation order differs from the reference (8 lanes, then a tail).
 //
-// Decode (M <= decode_max_m): each thread owns a range of NT-row tiles of W and
-//   decodes 16 weight elements at a time into registers inside the dot
-//   product; the decoded weight never reaches memory:
-//     for n-tile: for m-tile (MT rows): for k-block b: s = scale[n/bn, b]
+// Decode (M <= decode_max_m): threads take 16-row tasks of W from a shared
+//   counter and decode 16 weight elements at a time into registers inside
+//   the dot product; the decoded weight never reaches memory:
+//     for n-tile (NT rows): for m-tile (MT rows): for k-block b: s = scale[n/bn, b]
 //       for 16-wide chunk: w = decode16(W[n, k:k+16]) * s; acc[m][n] += A[m, k:k+16] * w
-//   Each output element is produced by one thread in a fixed order, so the
+//   Tiles: NT = 4 weight rows x MT = 1-2 activation rows when M <= 3 (decode-
+//   bound: one A load serves four rows), else NT = 1 x MT = 8 / 4 (FMA-bound:
+//   one decode serves eight rows). Single-row tiles with e8m0 scales factor
+//   the (power-of-two) scale out of each block's partial sum, which is exact.
+//   Each output element is produced by one task in a fixed order, so the
 //   result does not depend on the thread count.
 // Prefill (M > decode_max_m): a panel of P rows of W (P*K*4 <= panel_bytes) is
 //   dequantized to fp32 in parallel, then at::mm(A, panel^T) (MKL/oneDNN)
