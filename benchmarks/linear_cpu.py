@@ -141,6 +141,28 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def targets(results: list[dict]) -> str:
+    """Issue 6's targets, checked on these results: how many shapes meet each."""
+
+    def count(rows, ok) -> str:
+        hits = sum(1 for r in rows if ok(r))
+        return f"{hits}/{len(rows)}"
+
+    m1 = [r for r in results if r["m"] == 1]
+    m_max = max(r["m"] for r in results)
+    big = [r for r in results if r["m"] == m_max]
+    lines = ["| target | fp8 | fp4 |", "|---|---|---|"]
+    rows = [
+        ("M = 1: within 2x of the bandwidth floor", lambda f, d: lambda r: r[f] <= 2 * r[f"floor{d}"], m1),
+        ("M = 1: faster than bf16 F.linear (pre-dequantized)", lambda f, d: lambda r: r[f] < r["bf16"], m1),
+        (f"M = {m_max}: >= 0.8x fp32 F.linear throughput", lambda f, d: lambda r: r["fp32"] >= 0.8 * r[f], big),
+        ("every M: >= 10x faster than dequantize + F.linear", lambda f, d: lambda r: r[f"deq{d}+bf16"] >= 10 * r[f], results),
+    ]
+    for name, rule, subset in rows:
+        lines.append(f"| {name} | {count(subset, rule('fp8', '8'))} | {count(subset, rule('fp4', '4'))} |")
+    return "\n".join(lines)
+
+
 def plot(results: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -211,6 +233,8 @@ def main() -> None:
     for n, k in shapes:
         results += bench_shape(n, k, rows, timer, bandwidth)
     print(table(results))
+    print("\nTargets met (cases meeting / cases):\n")
+    print(targets(results))
     if not args.no_plot:
         plot(results, args.plot)
 
