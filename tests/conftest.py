@@ -13,3 +13,14 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=200, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_addoption(parser):
+    # Read by tests/neuron/conftest.py: which NKI runs the kernel tests.
+    parser.addoption(
+        "--nki-backend",
+        choices=("auto", "shim", "simulate"),
+        default="auto",
+        help="NKI kernel tests: 'shim' = NumPy stand-in (tests/nki_shim), 'simulate' = the real SDK's "
+        "nki.simulate, 'auto' (default) = simulate if the Neuron SDK is importable, else shim",
+    )

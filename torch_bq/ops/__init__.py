@@ -4,8 +4,21 @@ Each op's default body is the reference of :mod:`torch_bq.reference`; faster
 kernels are registered per device by the backend modules.
 """
 
+from .attention import paged_kv_write, paged_window_attention
+from .grouped import fp4_grouped_linear, fp8_grouped_linear
 from .linear import bf16_linear, fp4_linear, fp8_linear, fp32w_linear, qdq_fp8
+from . import autograd as _autograd  # noqa: F401,E402  (registers the input-gradient backwards)
+from .nki import register as _nki_register  # noqa: F401  (neuron kernels, only where the Neuron SDK is)
+from . import cpu  # noqa: F401,E402  (fast CPU kernels, built on first use)
 
-from . import cpu  # noqa: E402,F401  (registers the fast CPU kernels)
-
-__all__ = ["fp8_linear", "fp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8"]
+__all__ = [
+    "fp8_linear",
+    "fp4_linear",
+    "bf16_linear",
+    "fp32w_linear",
+    "qdq_fp8",
+    "fp8_grouped_linear",
+    "fp4_grouped_linear",
+    "paged_kv_write",
+    "paged_window_attention",
+]

@@ -26,18 +26,11 @@ def _out_like(x: torch.Tensor, n, out_dtype: torch.dtype) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 
 
-@torch.library.custom_op("torch_bq::fp8_linear", mutates_args=())
-def _fp8_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    block: Sequence[int],
-    act_quant: bool,
-    act_peak: float,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    return ref.fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
+# The reference functions carry the schema's annotations, so they are the op bodies as they are.
+_fp8_linear = torch.library.custom_op("torch_bq::fp8_linear", ref.fp8_linear, mutates_args=())
+_fp4_linear = torch.library.custom_op("torch_bq::fp4_linear", ref.fp4_linear, mutates_args=())
+_bf16_linear = torch.library.custom_op("torch_bq::bf16_linear", ref.bf16_linear, mutates_args=())
+_fp32w_linear = torch.library.custom_op("torch_bq::fp32w_linear", ref.fp32w_linear, mutates_args=())
 
 
 @_fp8_linear.register_fake
@@ -46,43 +39,16 @@ def _(x, weight, scale, bias, block, act_quant, act_peak, out_dtype):
     return _out_like(x, weight.shape[0], out_dtype)
 
 
-@torch.library.custom_op("torch_bq::fp4_linear", mutates_args=())
-def _fp4_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    act_quant: bool,
-    act_peak: float,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    return ref.fp4_linear(x, weight, scale, bias, act_quant, act_peak, out_dtype)
-
-
 @_fp4_linear.register_fake
 def _(x, weight, scale, bias, act_quant, act_peak, out_dtype):
     ref.check_fp4_linear_args(x, weight, scale, bias, act_quant, act_peak, out_dtype)
     return _out_like(x, weight.shape[0], out_dtype)
 
 
-@torch.library.custom_op("torch_bq::bf16_linear", mutates_args=())
-def _bf16_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype
-) -> torch.Tensor:
-    return ref.bf16_linear(x, weight, bias, out_dtype)
-
-
 @_bf16_linear.register_fake
 def _(x, weight, bias, out_dtype):
     ref.check_dense_linear_args(x, weight, bias, out_dtype, torch.bfloat16)
     return _out_like(x, weight.shape[0], out_dtype)
-
-
-@torch.library.custom_op("torch_bq::fp32w_linear", mutates_args=())
-def _fp32w_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype
-) -> torch.Tensor:
-    return ref.fp32w_linear(x, weight, bias, out_dtype)
 
 
 @_fp32w_linear.register_fake
