@@ -8,7 +8,11 @@ in any order plus one output rounding); qdq is bit-exact.
 """
 
 import shutil
+import subprocess
+import sys
+import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -261,6 +265,52 @@ def test_fast_linear_raises_the_reference_errors():
     p, s4 = formats.quantize_fp4(torch.randn(40, 70))
     with pytest.raises(ValueError, match=r"weight: expected shape \[N, 36\]"):
         fast.fp4_linear(torch.randn(3, 71), p, s4, None, True, 224.0, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- #
+# the portable build (CPUs without AVX2)
+# --------------------------------------------------------------------------- #
+
+GENERIC_CHECK = textwrap.dedent(
+    """
+    import torch
+    from torch_bq import formats
+    from torch_bq.ops import _backend
+    from torch_bq.ops.cpu import linear as fast
+    from torch_bq.testing import assert_linear_close
+
+    _backend.cpu_kernel_ops = _backend._build_cpu_kernels("generic")
+    assert not _backend.cpu_kernel_ops.vectorized()
+    torch.manual_seed(0)
+    for n, k, block, scale_dtype in [(37, 97, (1, 32), torch.uint8), (50, 70, (7, 13), torch.float32)]:
+        d, s = formats.quantize_fp8(torch.randn(n, k), block, scale_dtype)
+        for m in (1, 3, 17):
+            x = torch.randn(m, k)
+            y = fast.fp8_linear(x, d, s, None, list(block), True, 224.0, torch.float32)
+            assert_linear_close(y, formats.qdq_fp8(x), formats.dequantize_fp8(d, s, block, torch.float32))
+    p, s = formats.quantize_fp4(torch.randn(40, 131))
+    for m in (1, 5, 17):
+        x = torch.randn(m, 131)
+        y = fast.fp4_linear(x, p, s, None, True, 224.0, torch.float32)
+        assert_linear_close(y, formats.qdq_fp8(x), formats.dequantize_fp4(p, s, 131, torch.float32))
+    x = torch.randn(7, 100) * torch.logspace(-8, 8, 100)
+    for peak in (224.0, 448.0):
+        assert torch.equal(fast.qdq_fp8(x, peak).view(torch.int16), formats.qdq_fp8(x, peak).view(torch.int16))
+    print("ok")
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_COMPILER, reason="needs a C++ compiler")
+def test_generic_build_without_avx2():
+    """The scalar build that non-x86 / pre-AVX2 CPUs get; its own process, since a
+    process can load only one build of the kernels."""
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-c", GENERIC_CHECK], cwd=root, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
 # --------------------------------------------------------------------------- #

@@ -119,8 +119,11 @@ def cpu_isa() -> str:
     return "avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else "generic"
 
 
-def _build_cpu_kernels() -> SimpleNamespace:
-    """Compile (or load from the torch extensions cache) and return ``torch.ops.torch_bq_cpu``."""
+def _build_cpu_kernels(isa: Optional[str] = None) -> SimpleNamespace:
+    """Compile (or load from the torch extensions cache) and return ``torch.ops.torch_bq_cpu``.
+
+    ``isa`` is ``"avx2"`` or ``"generic"`` (default: :func:`cpu_isa`); one process can load only one.
+    """
     from torch.utils import cpp_extension
 
     compiler = os.environ.get("CXX", "c++")
@@ -128,7 +131,7 @@ def _build_cpu_kernels() -> SimpleNamespace:
         raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH)")
     flags = ["-O3", "-fopenmp"]
     name = "torch_bq_cpu_generic"
-    if cpu_isa() == "avx2":
+    if (isa or cpu_isa()) == "avx2":
         flags += ["-mavx2", "-mfma", "-mf16c", "-DTORCH_BQ_AVX2"]
         name = "torch_bq_cpu_avx2"
     # A plain shared library registering TORCH_LIBRARY ops: no pybind11 module,
