@@ -12,9 +12,12 @@ setup(
     long_description=Path("README.md").read_text(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["torch_bq", "torch_bq.*"]),
+    # The fast CPU kernels ship as source and are compiled on first use.
+    package_data={"torch_bq.ops.cpu": ["*.cpp"]},
     python_requires=">=3.10",
     # The lower bound is the first release with float8_e8m0fnu and float4_e2m1fn_x2.
-    install_requires=["torch>=2.7,<2.15", "numpy", "safetensors>=0.4"],
+    # ninja: torch.utils.cpp_extension's build tool for the CPU kernels.
+    install_requires=["torch>=2.7,<2.15", "numpy", "safetensors>=0.4", "ninja"],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6.100", "ml_dtypes>=0.5"],
         "bench": ["matplotlib"],

@@ -1,0 +1,349 @@
+"""The fast CPU kernels (torch_bq/ops/cpu) against the contract, next to the reference.
+
+Every math test body runs over both twins, which share one positional
+signature: ``fast`` (the compiled kernels, the ops' ``cpu`` kernels) and
+``reference``. Linear results are checked against float64 with the bound of
+:func:`torch_bq.testing.assert_linear_close` (fp32 accumulation of K + 1 terms
+in any order plus one output rounding); qdq is bit-exact.
+"""
+
+import shutil
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from torch_bq import formats, ops, reference
+from torch_bq.ops import _backend
+from torch_bq.ops.cpu import linear as fast
+from torch_bq.testing import activations, assert_linear_close, fp4_weights, fp8_weights
+
+FP8 = {"fast": fast.fp8_linear, "reference": reference.fp8_linear}
+FP4 = {"fast": fast.fp4_linear, "reference": reference.fp4_linear}
+QDQ = {"fast": fast.qdq_fp8, "reference": formats.qdq_fp8}
+impls = pytest.mark.parametrize("impl", ["fast", "reference"])
+
+HAS_COMPILER = shutil.which("c++") is not None
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def operand(x, act_quant, peak=224.0):
+    return formats.qdq_fp8(x, peak) if act_quant else x.to(torch.bfloat16)
+
+
+@pytest.fixture
+def threads():
+    """Set torch's thread count inside a test; restored afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def small_panels(monkeypatch):
+    """Prefill panels of 8 rows, so small weights cross several panels and a partial last one."""
+    monkeypatch.setattr(fast, "PANEL_BYTES", 1)
+
+
+# --------------------------------------------------------------------------- #
+# the kernels are there and are what the ops run
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: the reference fallback is tested below")
+def test_kernels_build_where_a_compiler_exists():
+    kernels = _backend.cpu_kernels()
+    assert kernels is not None
+    assert kernels.vectorized() == (_backend.cpu_isa() == "avx2")
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="needs the compiled kernels")
+def test_ops_dispatch_to_the_fast_kernels_on_cpu(monkeypatch):
+    torch.manual_seed(0)
+    d, s = formats.quantize_fp8(torch.randn(40, 64))
+    x = torch.randn(3, 64)
+    kernels, calls = _backend.cpu_kernels(), []
+    monkeypatch.setattr(_backend, "cpu_kernels", lambda: calls.append(1) or kernels)
+    ops.fp8_linear(x, d, s)
+    ops.fp4_linear(x, *formats.quantize_fp4(torch.randn(40, 64)))
+    ops.qdq_fp8(x)
+    assert len(calls) == 3
+
+
+# --------------------------------------------------------------------------- #
+# linear: hand-written shapes, every block shape and scale dtype
+# --------------------------------------------------------------------------- #
+
+FP8_CASES = [
+    # (N, K, block, scale dtype)
+    (64, 64, (32, 32), torch.float8_e8m0fnu),
+    (130, 300, (128, 128), torch.float32),  # N, K not block multiples; DeepSeek scales
+    (37, 97, (1, 32), torch.uint8),  # MXFP8
+    (50, 70, (7, 13), torch.float8_e8m0fnu),  # a block that is no multiple of the 16-wide vector
+    (33, 100, (16, 48), torch.float32),
+    (5, 1, (32, 32), torch.uint8),  # K = 1
+]
+
+
+@impls
+@pytest.mark.parametrize("n, k, block, scale_dtype", FP8_CASES)
+@pytest.mark.parametrize("rows", [(0,), (1,), (3,), (16,), (17,), (2, 9, 3)], ids=str)
+def test_fp8_linear_shapes(impl, n, k, block, scale_dtype, rows, small_panels):
+    torch.manual_seed(n * k + len(rows))
+    d, s = formats.quantize_fp8(torch.randn(n, k), block, scale_dtype)
+    x = torch.randn(*rows, k)
+    bias = torch.randn(n, dtype=torch.float16)
+    for act_quant, b, out_dtype in ((True, None, torch.bfloat16), (False, bias, torch.float32), (True, bias, torch.float16)):
+        y = FP8[impl](x, d, s, b, list(block), act_quant, 224.0, out_dtype)
+        assert y.dtype == out_dtype and y.shape == (*rows, n)
+        w = formats.dequantize_fp8(d, s, block, torch.float32)
+        assert_linear_close(y, operand(x, act_quant), w, b, msg=f"{block} act_quant={act_quant}")
+
+
+@impls
+@pytest.mark.parametrize("n, k", [(64, 64), (37, 97), (20, 33), (9, 1), (3, 31), (40, 130)])
+@pytest.mark.parametrize("rows", [(0,), (1,), (2,), (17,), (4, 5)], ids=str)
+def test_fp4_linear_shapes(impl, n, k, rows, small_panels):
+    torch.manual_seed(n + k)
+    p, s = formats.quantize_fp4(torch.randn(n, k))
+    x = torch.randn(*rows, k, dtype=torch.bfloat16)
+    bias = torch.randn(n)
+    for act_quant, b, out_dtype in ((True, None, torch.bfloat16), (False, bias, torch.float32)):
+        y = FP4[impl](x, p, s, b, act_quant, 448.0, out_dtype)
+        assert y.dtype == out_dtype and y.shape == (*rows, n)
+        assert_linear_close(y, operand(x, act_quant, 448.0), formats.dequantize_fp4(p, s, k, torch.float32), b)
+
+
+@impls
+def test_fp8_float8_storage_and_int8_fp4_storage(impl):
+    torch.manual_seed(5)
+    w = torch.randn(48, 80)
+    d, s = formats.quantize_fp8(w)  # float8_e4m3fn data, float8_e8m0fnu scale
+    x = torch.randn(2, 80)
+    as_bytes = FP8[impl](x, d.view(torch.uint8), s.view(torch.uint8), None, [32, 32], True, 224.0, torch.float32)
+    assert torch.equal(FP8[impl](x, d, s, None, [32, 32], True, 224.0, torch.float32), as_bytes)
+    p, s4 = formats.quantize_fp4(w)
+    y = FP4[impl](x, p.view(torch.float4_e2m1fn_x2), s4, None, True, 224.0, torch.float32)
+    assert torch.equal(y, FP4[impl](x, p.view(torch.int8), s4.view(torch.uint8), None, True, 224.0, torch.float32))
+
+
+@impls
+def test_fp8_huge_scales_take_the_exact_path(impl):
+    """Scales near 2**127: the vector decoder's folded scale would overflow, the value does not."""
+    n, k = 8, 64
+    data = torch.full((n, k), 0x01, dtype=torch.uint8)  # e4m3 subnormal 2**-9
+    data[:, ::3] = 0x8A  # -2**-6 * 1.25
+    codes = torch.tensor([[254, 120]] * (n // 8), dtype=torch.uint8)  # 2**127 and 2**-7
+    x = torch.randn(2, k) * 2.0**-100
+    y = FP8[impl](x, data, codes, None, [8, 32], False, 224.0, torch.float32)
+    w = formats.dequantize_fp8(data, codes, (8, 32), torch.float32)
+    assert torch.isfinite(w).all() and torch.isfinite(y).all()
+    assert_linear_close(y, operand(x, False), w)
+    scale32 = torch.tensor([[3.0e38, 1.5]], dtype=torch.float32)
+    y = FP8[impl](x, data, scale32, None, [8, 32], False, 224.0, torch.float32)
+    assert_linear_close(y, operand(x, False), formats.dequantize_fp8(data, scale32, (8, 32), torch.float32))
+
+
+@impls
+@given(weight=fp8_weights(max_n=70, max_k=200), act_quant=st.booleans(), data=st.data())
+def test_fp8_linear_property_decode_and_prefill(impl, weight, act_quant, data):
+    """Row counts on both sides of DECODE_MAX_M."""
+    n, k = weight.data.shape
+    x = data.draw(activations(k, max_rows=24, max_exponent=6))
+    y = FP8[impl](x, weight.data, weight.scale, None, list(weight.block), act_quant, 224.0, torch.float32)
+    assert_linear_close(y, operand(x, act_quant), weight.dequantize())
+
+
+@impls
+@given(weight=fp4_weights(max_n=70, max_k=200), data=st.data())
+def test_fp4_linear_property_decode_and_prefill(impl, weight, data):
+    x = data.draw(activations(weight.in_features, max_rows=24, max_exponent=6))
+    y = FP4[impl](x, weight.packed, weight.scale, None, True, 224.0, torch.float32)
+    assert_linear_close(y, operand(x, True), weight.dequantize())
+
+
+# --------------------------------------------------------------------------- #
+# threads and determinism
+# --------------------------------------------------------------------------- #
+
+
+@impls
+@pytest.mark.parametrize("m", [1, 5, 16, 40])
+def test_threads_and_determinism(impl, m, threads):
+    """The same inputs give the same bits on every call for a fixed thread count, and
+    the right answer at 1 and 2 threads. Decode rows (M <= 16) are each summed by one
+    thread in a fixed order, so there the bits do not depend on the thread count either."""
+    torch.manual_seed(m)
+    n, k = 300, 520
+    d, s = formats.quantize_fp8(torch.randn(n, k), (1, 32))
+    p, s4 = formats.quantize_fp4(torch.randn(n, k))
+    x = torch.randn(m, k)
+    results = {}
+    for count in (1, 2):
+        threads(count)
+        y8 = FP8[impl](x, d, s, None, [1, 32], True, 224.0, torch.float32)
+        y4 = FP4[impl](x, p, s4, None, True, 224.0, torch.float32)
+        assert torch.equal(bits(y8), bits(FP8[impl](x, d, s, None, [1, 32], True, 224.0, torch.float32)))
+        assert torch.equal(bits(y4), bits(FP4[impl](x, p, s4, None, True, 224.0, torch.float32)))
+        assert_linear_close(y8, operand(x, True), formats.dequantize_fp8(d, s, (1, 32), torch.float32))
+        assert_linear_close(y4, operand(x, True), formats.dequantize_fp4(p, s4, k, torch.float32))
+        results[count] = (y8, y4)
+    if impl == "fast" and m <= fast.DECODE_MAX_M:
+        for one, two in zip(results[1], results[2]):
+            assert torch.equal(bits(one), bits(two))
+
+
+# --------------------------------------------------------------------------- #
+# activation qdq: bit-exact twins
+# --------------------------------------------------------------------------- #
+
+
+@impls
+@pytest.mark.parametrize("peak", [224.0, 448.0, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_qdq_hand_cases(impl, peak, dtype):
+    torch.manual_seed(7)
+    x = (torch.randn(6, 100) * torch.logspace(-8, 8, 100)).clamp(-6e4, 6e4)
+    x[0, :32] = 0.0  # zero block: the 1e-4 floor
+    x[1, 32:64] = 2.0**-130  # below every e4m3 code at the floor scale
+    x[2, :33] = torch.tensor(peak) * 2.0**3  # power-of-two boundary in a full block
+    x[2, 40] = -(2.0**-6)  # boundary between e4m3 subnormals and normals
+    x[3, :] = torch.arange(100) * 0.015625 / 8  # every e4m3 subnormal step, ties included
+    got = QDQ[impl](x.to(dtype), peak)
+    other = QDQ["reference" if impl == "fast" else "fast"](x.to(dtype), peak)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    assert torch.equal(bits(got), bits(other))
+
+
+@impls
+def test_qdq_non_finite_blocks(impl):
+    """NaN and inf poison their own 32-block the same way in both twins, and only that block."""
+    x = torch.randn(2, 96)
+    x[0, 5] = float("nan")
+    x[1, 40] = float("inf")
+    x[1, 70] = -1e38
+    got = QDQ[impl](x, 224.0)
+    other = QDQ["reference" if impl == "fast" else "fast"](x, 224.0)
+    assert torch.equal(got.isnan(), other.isnan())
+    finite = ~got.isnan()
+    assert torch.equal(bits(got[finite]), bits(other[finite]))
+    assert torch.isfinite(got[0, 32:]).all() and torch.isfinite(got[1, :32]).all()
+
+
+@impls
+@given(x_data=st.data(), k=st.integers(1, 200), peak=st.sampled_from([224.0, 448.0, 3.5]))
+def test_qdq_property_bit_exact(impl, x_data, k, peak):
+    x = x_data.draw(activations(k, max_rows=5, max_exponent=30, dtypes=(torch.float32, torch.bfloat16)))
+    got = QDQ[impl](x, peak)
+    other = QDQ["reference" if impl == "fast" else "fast"](x, peak)
+    assert torch.equal(bits(got), bits(other))
+
+
+def test_qdq_leading_dims_and_errors():
+    x = torch.randn(2, 3, 70)
+    assert torch.equal(bits(fast.qdq_fp8(x, 224.0)), bits(formats.qdq_fp8(x.reshape(6, 70), 224.0)).reshape(2, 3, 70))
+    assert fast.qdq_fp8(torch.zeros(0, 70), 224.0).shape == (0, 70)
+    with pytest.raises(ValueError, match="peak"):
+        fast.qdq_fp8(x, 500.0)
+    with pytest.raises(TypeError, match="x: expected a floating-point dtype"):
+        fast.qdq_fp8(x.to(torch.int32), 224.0)
+
+
+def test_fast_linear_raises_the_reference_errors():
+    d, s = formats.quantize_fp8(torch.randn(40, 70))
+    with pytest.raises(ValueError, match=r"weight_scale: expected shape \[1, 1\]"):
+        fast.fp8_linear(torch.randn(3, 70), d, s, None, [128, 128], True, 224.0, torch.bfloat16)
+    p, s4 = formats.quantize_fp4(torch.randn(40, 70))
+    with pytest.raises(ValueError, match=r"weight: expected shape \[N, 36\]"):
+        fast.fp4_linear(torch.randn(3, 71), p, s4, None, True, 224.0, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- #
+# the portable build (CPUs without AVX2)
+# --------------------------------------------------------------------------- #
+
+GENERIC_CHECK = textwrap.dedent(
+    """
+    import torch
+    from torch_bq import formats
+    from torch_bq.ops import _backend
+    from torch_bq.ops.cpu import linear as fast
+    from torch_bq.testing import assert_linear_close
+
+    _backend.cpu_kernel_ops = _backend._build_cpu_kernels("generic")
+    assert not _backend.cpu_kernel_ops.vectorized()
+    torch.manual_seed(0)
+    for n, k, block, scale_dtype in [(37, 97, (1, 32), torch.uint8), (50, 70, (7, 13), torch.float32)]:
+        d, s = formats.quantize_fp8(torch.randn(n, k), block, scale_dtype)
+        for m in (1, 3, 17):
+            x = torch.randn(m, k)
+            y = fast.fp8_linear(x, d, s, None, list(block), True, 224.0, torch.float32)
+            assert_linear_close(y, formats.qdq_fp8(x), formats.dequantize_fp8(d, s, block, torch.float32))
+    p, s = formats.quantize_fp4(torch.randn(40, 131))
+    for m in (1, 5, 17):
+        x = torch.randn(m, 131)
+        y = fast.fp4_linear(x, p, s, None, True, 224.0, torch.float32)
+        assert_linear_close(y, formats.qdq_fp8(x), formats.dequantize_fp4(p, s, 131, torch.float32))
+    x = torch.randn(7, 100) * torch.logspace(-8, 8, 100)
+    for peak in (224.0, 448.0):
+        assert torch.equal(fast.qdq_fp8(x, peak).view(torch.int16), formats.qdq_fp8(x, peak).view(torch.int16))
+    print("ok")
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_COMPILER, reason="needs a C++ compiler")
+def test_generic_build_without_avx2():
+    """The scalar build that non-x86 / pre-AVX2 CPUs get; its own process, since a
+    process can load only one build of the kernels."""
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-c", GENERIC_CHECK], cwd=root, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- #
+# fallback when the kernels cannot be built
+# --------------------------------------------------------------------------- #
+
+
+def test_fallback_runs_the_reference(monkeypatch):
+    monkeypatch.setattr(_backend, "cpu_kernel_ops", None)  # as after a failed build
+    torch.manual_seed(8)
+    d, s = formats.quantize_fp8(torch.randn(40, 70), (128, 128), torch.float32)
+    p, s4 = formats.quantize_fp4(torch.randn(40, 70))
+    x = torch.randn(2, 3, 70)
+    assert torch.equal(
+        ops.fp8_linear(x, d, s, block=(128, 128)),
+        reference.fp8_linear(x, d, s, None, [128, 128], True, 224.0, torch.bfloat16),
+    )
+    assert torch.equal(ops.fp4_linear(x, p, s4), reference.fp4_linear(x, p, s4, None, True, 224.0, torch.bfloat16))
+    assert torch.equal(bits(ops.qdq_fp8(x)), bits(formats.qdq_fp8(x)))
+
+
+def test_failed_build_warns_once_in_one_line(monkeypatch):
+    def no_compiler():
+        raise RuntimeError("no C++ compiler ('c++' is not on PATH)\nsecond line never shown")
+
+    monkeypatch.setattr(_backend, "cpu_kernel_ops", _backend._NOT_PROBED)
+    monkeypatch.setattr(_backend, "_build_cpu_kernels", no_compiler)
+    with pytest.warns(RuntimeWarning) as record:
+        y = ops.fp4_linear(torch.randn(2, 64), *formats.quantize_fp4(torch.randn(8, 64)))
+    assert y.shape == (2, 8)
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "\n" not in message and "reference" in message and "not on PATH" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second call must stay quiet
+        ops.fp4_linear(torch.randn(2, 64), *formats.quantize_fp4(torch.randn(8, 64)))

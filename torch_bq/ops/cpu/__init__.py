@@ -1,0 +1,10 @@
+"""Fast CPU kernels for the ``torch_bq::`` ops (C++ in ``kernels.cpp``, built on first use).
+
+Importing this package registers them as the ops' ``cpu`` kernels; the
+reference stays each op's default body and runs whenever the kernels cannot
+be built (see :mod:`torch_bq.ops._backend`).
+"""
+
+from .linear import fp4_linear, fp8_linear, qdq_fp8
+
+__all__ = ["fp8_linear", "fp4_linear", "qdq_fp8"]

@@ -1,0 +1,615 @@
+// Fast CPU kernels for torch_bq: block-scaled fp8 / MXFP4 linear and the fp8
+// activation quant-dequant (SPEC.md §3-4).
+//
+// Built at first use by torch_bq/ops/_backend.py with torch.utils.cpp_extension
+// (-O3, plus -mavx2 -mfma -mf16c and -DTORCH_BQ_AVX2 when the CPU has them).
+// Registered as internal ops `torch.ops.torch_bq_cpu.*`; the public
+// `torch_bq::` ops call them from torch_bq/ops/cpu/linear.py, which also
+// prepares the inputs (A as fp32 [M, K], weight bytes, scale codes).
+//
+// Layout and numerics
+// -------------------
+// A      fp32 [M, K] row-major: qdq_fp8(x) or bf16(x), already exact in fp32.
+// weight fp8: uint8 [N, K] E4M3FN bytes; fp4: uint8 [N, ceil(K/2)], element 2j
+//        in the low nibble of byte j.
+// scale  [ceil(N/bn), ceil(K/bk)] uint8 e8m0 codes or fp32 multipliers
+//        (fp4: bn = 1, bk = 32, codes only).
+// out    fp32 [M, N] = sum_k A[m,k] * (w[n,k] * s[n/bn, k/bk]) (+ bias[n]).
+//        Every weight element is formed as one fp32 product value * scale,
+//        exactly as the reference does; products and sums are fp32; only the
+//        summation order differs from the reference (8 lanes, then a tail).
+//
+// Decode (M <= decode_max_m): threads take 16-row tasks of W from a shared
+//   counter and decode 16 weight elements at a time into registers inside
+//   the dot product; the decoded weight never reaches memory:
+//     for n-tile (NT rows): for m-tile (MT rows): for k-block b: s = scale[n/bn, b]
+//       for 16-wide chunk: w = decode16(W[n, k:k+16]) * s; acc[m][n] += A[m, k:k+16] * w
+//   Tiles: NT = 4 weight rows x MT = 1-2 activation rows when M <= 3 (decode-
+//   bound: one A load serves four rows), else NT = 1 x MT = 8 / 4 (FMA-bound:
+//   one decode serves eight rows). Single-row tiles with e8m0 scales factor
+//   the (power-of-two) scale out of each block's partial sum, which is exact.
+//   Each output element is produced by one task in a fixed order, so the
+//   result does not depend on the thread count.
+// Prefill (M > decode_max_m): a panel of P rows of W (P*K*4 <= panel_bytes) is
+//   dequantized to fp32 in parallel, then at::mm(A, panel^T) (MKL/oneDNN)
+//   produces out[:, n0:n0+P]. Extra memory: the panel plus an [M, P] result,
+//   independent of N*K.
+//
+// Vector decoding (AVX2 + F16C):
+//   fp8: sign-extend byte to int16, shift left 7, keep sign and bits 7..13 ->
+//        an fp16 whose value is e4m3(b) / 2**8 (E4M3 subnormals map to fp16
+//        subnormals, which vcvtph2ps converts exactly). The 2**8 goes into the
+//        block scale when that stays finite; blocks whose scale * 2**8
+//        overflows take the scalar path.
+//   fp4: nibble -> high byte of the fp16 encoding of its e2m1 value via
+//        vpshufb (the low byte is always 0), then vcvtph2ps.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#if defined(TORCH_BQ_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace torch_bq_cpu {
+namespace {
+
+inline float f32_from_bits(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+inline uint32_t bits_from_f32(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
+
+// Exact decode tables (SPEC.md §1).
+struct Tables {
+  float e8m0[256];
+  float e4m3[256];
+  float fp4[16];
+  Tables() {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (int c = 0; c < 256; ++c) {
+      // Code 0 is 2**-127, an fp32 subnormal; codes 1..254 are normal floats.
+      e8m0[c] = c == 255 ? nan : c == 0 ? f32_from_bits(0x00400000u) : f32_from_bits(uint32_t(c) << 23);
+      const int e = (c >> 3) & 15, m = c & 7;
+      float mag = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(float(8 + m), e - 10);
+      if ((c & 0x7F) == 0x7F) mag = nan;
+      e4m3[c] = (c & 0x80) ? -mag : mag;
+    }
+    const float v[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    for (int i = 0; i < 8; ++i) {
+      fp4[i] = v[i];
+      fp4[i + 8] = -v[i];
+    }
+  }
+};
+const Tables kTables;
+
+inline float scale_value(const uint8_t* s, int64_t i) { return kTables.e8m0[s[i]]; }
+inline float scale_value(const float* s, int64_t i) { return s[i]; }
+
+// --------------------------------------------------------------------------
+// weight formats: scalar decode of element k, vector decode of 16 elements
+// --------------------------------------------------------------------------
+
+struct Fp8Format {
+  // The vector decoder yields value / 2**8 (see the file comment).
+  static constexpr float kVectorFactor = 256.0f;
+  static int64_t row_bytes(int64_t k) { return k; }
+  static float scalar(const uint8_t* row, int64_t k) { return kTables.e4m3[row[k]]; }
+#if defined(TORCH_BQ_AVX2)
+  static void decode16(const uint8_t* row, int64_t k, __m256& lo, __m256& hi) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+    __m256i h = _mm256_cvtepi8_epi16(b);
+    h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+    lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+  }
+#endif
+};
+
+struct Fp4Format {
+  static constexpr float kVectorFactor = 1.0f;
+  static int64_t row_bytes(int64_t k) { return (k + 1) / 2; }
+  static float scalar(const uint8_t* row, int64_t k) {
+    return kTables.fp4[(row[k >> 1] >> ((k & 1) * 4)) & 0x0F];
+  }
+#if defined(TORCH_BQ_AVX2)
+  // k is even (chunks start at multiples of 16 within 32-wide blocks).
+  static void decode16(const uint8_t* row, int64_t k, __m256& lo, __m256& hi) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + (k >> 1)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i nib_lo = _mm_and_si128(b, mask);
+    const __m128i nib_hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    const __m128i nib = _mm_unpacklo_epi8(nib_lo, nib_hi);  // element order
+    // High byte of the fp16 encoding of each e2m1 value; the low byte is 0.
+    const __m128i lut = _mm_setr_epi8(0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46, char(0x80), char(0xB8),
+                                      char(0xBC), char(0xBE), char(0xC0), char(0xC2), char(0xC4), char(0xC6));
+    const __m128i hb = _mm_shuffle_epi8(lut, nib);
+    const __m128i zero = _mm_setzero_si128();
+    lo = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, hb));
+    hi = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, hb));
+  }
+#endif
+};
+
+#if defined(TORCH_BQ_AVX2)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The block scale times the vector decoder's factor (2**8 for fp8), and
+// whether the vector path may use it: false when the product would overflow
+// although the decoded values do not (scale near 2**127); such blocks take
+// the scalar path. e8m0 codes fold exactly: (c + 8) << 23 is 2**(c - 127 + 8),
+// code 0 (2**-127) included.
+template <class Fmt>
+inline float folded_scale(const uint8_t* s, int64_t i, bool& ok) {
+  const uint32_t code = s[i];
+  if constexpr (Fmt::kVectorFactor == 1.0f) {
+    return kTables.e8m0[code];  // NaN code 255 stays NaN, as in the reference
+  } else {
+    static_assert(Fmt::kVectorFactor == 256.0f, "fp8 decodes to value / 2**8");
+    ok = ok && code <= 246;
+    return f32_from_bits((code + 8) << 23);
+  }
+}
+
+template <class Fmt>
+inline float folded_scale(const float* s, int64_t i, bool& ok) {
+  const float folded = s[i] * Fmt::kVectorFactor;
+  ok = ok && (std::isfinite(folded) || !std::isfinite(s[i]));
+  return folded;
+}
+#endif
+
+struct WeightView {
+  const uint8_t* data;  // [N, row_bytes(K)]
+  int64_t row_stride;
+  const void* scale;    // [ceil(N/bn), ceil(K/bk)]
+  int64_t scale_stride;
+  int64_t bn, bk, K;
+};
+
+// --------------------------------------------------------------------------
+// decode path: out[m0:m0+MT, n0:n0+NT] for one tile
+// --------------------------------------------------------------------------
+
+// Elements [k0, k1) of block b: the vector pass covers [k0, vector_end) in
+// 16-wide chunks; the scalar pass covers the rest (all of it when the
+// block's folded scale would overflow).
+template <class Fmt, class S, int MT, int NT>
+void dot_tile(const WeightView& w, const float* A, int64_t m0, int64_t n0, float* out, int64_t N) {
+  const int64_t K = w.K;
+  const uint8_t* rows[NT];
+  const S* srows[NT];
+  for (int j = 0; j < NT; ++j) {
+    rows[j] = w.data + (n0 + j) * w.row_stride;
+    srows[j] = static_cast<const S*>(w.scale) + ((n0 + j) / w.bn) * w.scale_stride;
+  }
+  const float* arows[MT];
+  for (int i = 0; i < MT; ++i) arows[i] = A + (m0 + i) * K;
+  const int64_t nblocks = (K + w.bk - 1) / w.bk;
+
+  float total[MT][NT];
+  bool vector_skipped_a_block = false;
+  // Single-row tiles are decode-bound: factor power-of-two (e8m0) scales out
+  // of the block's dot product. Float32 scales are multiplied into each
+  // element, exactly as the reference forms the weight.
+  constexpr bool kFactorScale = MT == 1 && std::is_same_v<S, uint8_t>;
+#if defined(TORCH_BQ_AVX2)
+  {
+    __m256 acc[MT][NT];
+    for (int i = 0; i < MT; ++i)
+      for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const int64_t k0 = b * w.bk, k1 = std::min(K, k0 + w.bk);
+      const int64_t vector_end = k0 + (k1 - k0) / 16 * 16;
+      if (vector_end == k0) continue;
+      bool ok = true;
+      __m256 sv[NT];
+      for (int j = 0; j < NT; ++j) sv[j] = _mm256_set1_ps(folded_scale<Fmt>(srows[j], b, ok));
+      if (!ok) {
+        vector_skipped_a_block = true;
+        continue;
+      }
+      if constexpr (kFactorScale) {
+        // sum_k a * (w * s) == s * sum_k a * w exactly for a power-of-two s:
+        // one multiply per block instead of one per element.
+        __m256 block_acc[NT];
+        for (int j = 0; j < NT; ++j) block_acc[j] = _mm256_setzero_ps();
+        for (int64_t k = k0; k < vector_end; k += 16) {
+          const __m256 a0 = _mm256_loadu_ps(arows[0] + k), a1 = _mm256_loadu_ps(arows[0] + k + 8);
+          for (int j = 0; j < NT; ++j) {
+            __m256 w0, w1;
+            Fmt::decode16(rows[j], k, w0, w1);
+            block_acc[j] = _mm256_fmadd_ps(a0, w0, block_acc[j]);
+            block_acc[j] = _mm256_fmadd_ps(a1, w1, block_acc[j]);
+          }
+        }
+        for (int j = 0; j < NT; ++j) acc[0][j] = _mm256_fmadd_ps(block_acc[j], sv[j], acc[0][j]);
+      } else {
+        for (int64_t k = k0; k < vector_end; k += 16) {
+          for (int j = 0; j < NT; ++j) {
+            __m256 w0, w1;
+            Fmt::decode16(rows[j], k, w0, w1);
+            w0 = _mm256_mul_ps(w0, sv[j]);
+            w1 = _mm256_mul_ps(w1, sv[j]);
+            for (int i = 0; i < MT; ++i) {
+              acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(arows[i] + k), w0, acc[i][j]);
+              acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(arows[i] + k + 8), w1, acc[i][j]);
+            }
+          }
+        }
+      }
+    }
+    for (int i = 0; i < MT; ++i)
+      for (int j = 0; j < NT; ++j) total[i][j] = hsum(acc[i][j]);
+  }
+  const bool vector_pass = true;
+#else
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) total[i][j] = 0.0f;
+  const bool vector_pass = false;
+#endif
+  // Scalar pass. With 16 | bk and no skipped block, only the last block can
+  // have a remainder, so the other blocks are not revisited.
+  const int64_t first = (vector_pass && w.bk % 16 == 0 && !vector_skipped_a_block) ? nblocks - 1 : 0;
+  for (int64_t b = std::max<int64_t>(first, 0); b < nblocks; ++b) {
+    const int64_t k0 = b * w.bk, k1 = std::min(K, k0 + w.bk);
+    float s[NT];
+    bool ok = true;
+    for (int j = 0; j < NT; ++j) {
+      s[j] = scale_value(srows[j], b);
+#if defined(TORCH_BQ_AVX2)
+      folded_scale<Fmt>(srows[j], b, ok);
+#endif
+    }
+    const int64_t start = (vector_pass && ok) ? k0 + (k1 - k0) / 16 * 16 : k0;
+    for (int64_t k = start; k < k1; ++k) {
+      for (int j = 0; j < NT; ++j) {
+        const float wv = Fmt::scalar(rows[j], k) * s[j];
+        for (int i = 0; i < MT; ++i) total[i][j] = std::fma(arows[i][k], wv, total[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) out[(m0 + i) * N + n0 + j] = total[i][j];
+}
+
+// All M rows of A against W[n:n+NT, :]: with NT = 1, row tiles of 8 and 4
+// (A is re-read from L1/L2, each decoded chunk is shared by 8 or 4 rows);
+// with NT = 4 (M <= 3), tiles of 2 and 1 rows.
+template <class Fmt, class S, int NT>
+void rows_tile(const WeightView& w, const float* A, int64_t M, int64_t n, float* out, int64_t N) {
+  int64_t m = 0;
+  if constexpr (NT == 1) {
+    for (; m + 8 <= M; m += 8) dot_tile<Fmt, S, 8, 1>(w, A, m, n, out, N);
+    for (; m + 4 <= M; m += 4) dot_tile<Fmt, S, 4, 1>(w, A, m, n, out, N);
+  }
+  for (; m + 2 <= M; m += 2) dot_tile<Fmt, S, 2, NT>(w, A, m, n, out, N);
+  if (m < M) dot_tile<Fmt, S, 1, NT>(w, A, m, n, out, N);
+}
+
+template <class Fmt, class S>
+void decode_rows(const WeightView& w, const float* A, int64_t M, int64_t n_begin, int64_t n_end, float* out,
+                 int64_t N) {
+  int64_t n = n_begin;
+  if (M <= 3) {  // decode-bound: share each A load across four weight rows
+    for (; n + 4 <= n_end; n += 4) rows_tile<Fmt, S, 4>(w, A, M, n, out, N);
+  }
+  for (; n < n_end; ++n) rows_tile<Fmt, S, 1>(w, A, M, n, out, N);
+}
+
+// Runs task(i) for i in [0, count) on torch's intra-op threads. Tasks are
+// handed out from a shared counter rather than split up front, so a thread
+// the OS schedules late (a busy machine) only delays the call by the task it
+// is on, not by a fixed share of the work. Which thread runs a task never
+// changes what the task computes.
+template <class Task>
+void run_tasks(int64_t count, const Task& task) {
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), count);
+  if (workers <= 1) {
+    for (int64_t i = 0; i < count; ++i) task(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) task(i);
+  });
+}
+
+template <class Fmt, class S>
+void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, float* out) {
+  constexpr int64_t kRowsPerTask = 16;  // multiple of the tile height NT
+  run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
+    decode_rows<Fmt, S>(w, A, M, t * kRowsPerTask, std::min(N, (t + 1) * kRowsPerTask), out, N);
+  });
+}
+
+// --------------------------------------------------------------------------
+// prefill path: dequantize a panel of rows, then GEMM
+// --------------------------------------------------------------------------
+
+template <class Fmt, class S>
+void dequantize_row(const WeightView& w, int64_t n, float* dst) {
+  const int64_t K = w.K;
+  const uint8_t* row = w.data + n * w.row_stride;
+  const S* srow = static_cast<const S*>(w.scale) + (n / w.bn) * w.scale_stride;
+  const int64_t nblocks = (K + w.bk - 1) / w.bk;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t k0 = b * w.bk, k1 = std::min(K, k0 + w.bk);
+    const float s = scale_value(srow, b);
+    int64_t k = k0;
+#if defined(TORCH_BQ_AVX2)
+    bool ok = true;
+    const float folded = folded_scale<Fmt>(srow, b, ok);
+    if (ok) {
+      const __m256 sv = _mm256_set1_ps(folded);
+      for (; k + 16 <= k1; k += 16) {
+        __m256 w0, w1;
+        Fmt::decode16(row, k, w0, w1);
+        _mm256_storeu_ps(dst + k, _mm256_mul_ps(w0, sv));
+        _mm256_storeu_ps(dst + k + 8, _mm256_mul_ps(w1, sv));
+      }
+    }
+#endif
+    for (; k < k1; ++k) dst[k] = Fmt::scalar(row, k) * s;
+  }
+}
+
+template <class Fmt, class S>
+void panel_linear(const WeightView& w, const at::Tensor& A, int64_t N, int64_t panel_bytes, at::Tensor& out) {
+  const int64_t K = w.K;
+  const int64_t rows = std::max<int64_t>(8, panel_bytes / (4 * std::max<int64_t>(K, 1)) / 8 * 8);
+  const int64_t panel_rows = std::min(rows, N);
+  at::Tensor panel = at::empty({panel_rows, K}, A.options());
+  float* p = panel.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < N; n0 += panel_rows) {
+    const int64_t rows_here = std::min(panel_rows, N - n0);
+    run_tasks(rows_here, [&](int64_t r) { dequantize_row<Fmt, S>(w, n0 + r, p + r * K); });
+    out.narrow(1, n0, rows_here).copy_(at::mm(A, panel.narrow(0, 0, rows_here).t()));
+  }
+}
+
+// --------------------------------------------------------------------------
+// op bodies
+// --------------------------------------------------------------------------
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "torch_bq_cpu: ", what); }
+
+template <class Fmt>
+at::Tensor linear(const at::Tensor& a, const at::Tensor& weight, const at::Tensor& scale,
+                  const std::optional<at::Tensor>& bias, int64_t bn, int64_t bk, int64_t decode_max_m,
+                  int64_t panel_bytes) {
+  check(a.dim() == 2 && a.scalar_type() == at::kFloat && a.is_contiguous(), "a must be contiguous fp32 [M, K]");
+  check(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(),
+        "weight must be contiguous uint8 [N, row_bytes]");
+  check(scale.dim() == 2 && scale.is_contiguous() &&
+            (scale.scalar_type() == at::kByte || scale.scalar_type() == at::kFloat),
+        "scale must be contiguous uint8 or fp32 [N/bn, K/bk]");
+  check(bn >= 1 && bk >= 1, "block must be positive");
+  const int64_t M = a.size(0), K = a.size(1), N = weight.size(0);
+  check(weight.size(1) == Fmt::row_bytes(K), "weight row length does not match K");
+  check(scale.size(0) == (N + bn - 1) / bn && scale.size(1) == (K + bk - 1) / bk, "scale shape does not match the block");
+
+  at::Tensor out = at::empty({M, N}, a.options());
+  if (M > 0 && N > 0) {
+    const WeightView w{weight.data_ptr<uint8_t>(), weight.size(1), scale.data_ptr(), scale.size(1), bn, bk, K};
+    const bool codes = scale.scalar_type() == at::kByte;
+    if (M <= decode_max_m) {
+      if (codes)
+        decode_linear<Fmt, uint8_t>(w, a.data_ptr<float>(), M, N, out.data_ptr<float>());
+      else
+        decode_linear<Fmt, float>(w, a.data_ptr<float>(), M, N, out.data_ptr<float>());
+    } else {
+      if (codes)
+        panel_linear<Fmt, uint8_t>(w, a, N, panel_bytes, out);
+      else
+        panel_linear<Fmt, float>(w, a, N, panel_bytes, out);
+    }
+  }
+  if (bias.has_value()) {
+    check(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N, "bias must be fp32 [N]");
+    out.add_(*bias);  // one fp32 add before the single final rounding
+  }
+  return out;
+}
+
+at::Tensor fp8_linear(const at::Tensor& a, const at::Tensor& weight, const at::Tensor& scale,
+                      const std::optional<at::Tensor>& bias, int64_t bn, int64_t bk, int64_t decode_max_m,
+                      int64_t panel_bytes) {
+  return linear<Fp8Format>(a, weight, scale, bias, bn, bk, decode_max_m, panel_bytes);
+}
+
+at::Tensor fp4_linear(const at::Tensor& a, const at::Tensor& weight, const at::Tensor& scale,
+                      const std::optional<at::Tensor>& bias, int64_t decode_max_m, int64_t panel_bytes) {
+  check(scale.scalar_type() == at::kByte, "fp4 scale must be uint8 e8m0 codes");
+  return linear<Fp4Format>(a, weight, scale, bias, 1, 32, decode_max_m, panel_bytes);
+}
+
+// --------------------------------------------------------------------------
+// activation qdq (SPEC.md §3), bit-exact with torch_bq.formats.qdq_fp8
+// --------------------------------------------------------------------------
+
+constexpr int64_t kQdqBlock = 32;
+const uint32_t kAmaxFloorBits = bits_from_f32(1e-4f);
+
+// torch's float -> bfloat16 (round to nearest even; NaN -> 0x7FC0).
+inline uint16_t bf16_rne(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  const uint32_t b = bits_from_f32(f);
+  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+// Round a magnitude below 480 to E4M3FN, nearest even: subnormals (quantum
+// 2**-9) via the fp32 add of 2**14, normals by rounding the mantissa to 3 bits.
+inline float e4m3_round_magnitude(float m) {
+  if (m < 0.015625f) return (m + 16384.0f) - 16384.0f;
+  uint32_t b = bits_from_f32(m);
+  b = (b + 0x7FFFFu + ((b >> 20) & 1u)) & 0xFFF00000u;
+  return f32_from_bits(b);
+}
+
+// torch's float -> float8_e4m3fn -> float: RNE, saturating at +-448 (what
+// torch 2.13's conversion does for out-of-range values and inf), NaN stays NaN.
+inline float e4m3_round(float v) {
+  const float m = std::fabs(v);
+  const float r = std::isnan(m) ? m : m >= 448.0f ? 448.0f : e4m3_round_magnitude(m);
+  return std::signbit(v) ? -r : r;
+}
+
+struct BlockScale {
+  float scale, recip;
+  bool finite;  // scale is a finite power of two: the block cannot produce NaN or overflow
+};
+
+// s = 2**ceil(log2(amax * fp32(1/peak))) from the bits, and its reciprocal,
+// with the same int32 arithmetic as the reference (including its wrap-around
+// for non-finite t, so NaN/inf blocks come out the same).
+inline BlockScale block_scale(uint32_t amax_abs_bits, float recip_peak) {
+  const uint32_t amax_bits = std::max(amax_abs_bits, kAmaxFloorBits);  // NaN bits stay NaN
+  const float t = f32_from_bits(amax_bits) * recip_peak;
+  const int32_t bits = static_cast<int32_t>(bits_from_f32(t));
+  const int32_t biased = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0);
+  return {f32_from_bits(static_cast<uint32_t>(biased) << 23), f32_from_bits(static_cast<uint32_t>(254 - biased) << 23),
+          biased <= 254};
+}
+
+template <bool kF32Out>
+inline void store(void* out, int64_t i, float v) {
+  if constexpr (kF32Out) {
+    static_cast<float*>(out)[i] = f32_from_bits(uint32_t(bf16_rne(v)) << 16);
+  } else {
+    static_cast<uint16_t*>(out)[i] = bf16_rne(v);
+  }
+}
+
+template <bool kF32Out>
+void qdq_block_scalar(const uint16_t* x, int64_t len, float recip_peak, void* out, int64_t offset) {
+  uint32_t amax = 0;
+  for (int64_t i = 0; i < len; ++i) amax = std::max<uint32_t>(amax, (uint32_t(x[i]) << 16) & 0x7FFFFFFFu);
+  const BlockScale bs = block_scale(amax, recip_peak);
+  for (int64_t i = 0; i < len; ++i) {
+    const float v = f32_from_bits(uint32_t(x[i]) << 16);
+    store<kF32Out>(out, offset + i, e4m3_round(v * bs.recip) * bs.scale);
+  }
+}
+
+#if defined(TORCH_BQ_AVX2)
+// One full 32-wide block whose scale is finite: every |x / s| <= peak (<= 448),
+// so e4m3 rounding never reaches the saturation, and q * s has at most 4 significant bits,
+// so the bf16 result is exact (a truncation of the fp32 bits).
+template <bool kF32Out>
+void qdq_block32(const uint16_t* x, float recip_peak, void* out, int64_t offset) {
+  __m256i xi[4];
+  __m256i amax_v = _mm256_setzero_si256();
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  for (int q = 0; q < 4; ++q) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * q));
+    xi[q] = _mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16);
+    // Non-negative float bits order like the floats; NaN sorts above inf.
+    amax_v = _mm256_max_epu32(amax_v, _mm256_and_si256(xi[q], abs_mask));
+  }
+  __m128i m4 = _mm_max_epu32(_mm256_castsi256_si128(amax_v), _mm256_extracti128_si256(amax_v, 1));
+  m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, _MM_SHUFFLE(1, 0, 3, 2)));
+  m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, _MM_SHUFFLE(2, 3, 0, 1)));
+  const BlockScale bs = block_scale(static_cast<uint32_t>(_mm_cvtsi128_si32(m4)), recip_peak);
+  if (!bs.finite) {
+    qdq_block_scalar<kF32Out>(x, kQdqBlock, recip_peak, out, offset);
+    return;
+  }
+  const __m256 recip = _mm256_set1_ps(bs.recip), scale = _mm256_set1_ps(bs.scale);
+  const __m256i sign_mask = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m256 magic = _mm256_set1_ps(16384.0f), min_normal = _mm256_set1_ps(0.015625f);
+  for (int q = 0; q < 4; ++q) {
+    const __m256i sign = _mm256_and_si256(xi[q], sign_mask);
+    const __m256 m = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(xi[q], abs_mask)), recip);
+    const __m256 sub = _mm256_sub_ps(_mm256_add_ps(m, magic), magic);
+    const __m256i mb = _mm256_castps_si256(m);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(mb, 20), _mm256_set1_epi32(1));
+    const __m256i nb = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(mb, _mm256_set1_epi32(0x7FFFF)), lsb),
+                                        _mm256_set1_epi32(static_cast<int>(0xFFF00000u)));
+    const __m256 r = _mm256_blendv_ps(_mm256_castsi256_ps(nb), sub, _mm256_cmp_ps(m, min_normal, _CMP_LT_OQ));
+    const __m256i y = _mm256_or_si256(_mm256_castps_si256(_mm256_mul_ps(r, scale)), sign);
+    if constexpr (kF32Out) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<float*>(out) + offset + 8 * q), y);
+    } else {
+      const __m256i hi = _mm256_srli_epi32(y, 16);
+      const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + offset + 8 * q), packed);
+    }
+  }
+}
+#endif
+
+template <bool kF32Out>
+void qdq_rows(const uint16_t* x, int64_t M, int64_t K, float recip_peak, void* out) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
+  at::parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t k0 = 0; k0 < K; k0 += kQdqBlock) {
+        const int64_t len = std::min(kQdqBlock, K - k0);
+#if defined(TORCH_BQ_AVX2)
+        if (len == kQdqBlock) {
+          qdq_block32<kF32Out>(x + r * K + k0, recip_peak, out, r * K + k0);
+          continue;
+        }
+#endif
+        qdq_block_scalar<kF32Out>(x + r * K + k0, len, recip_peak, out, r * K + k0);
+      }
+    }
+  });
+}
+
+at::Tensor qdq_fp8(const at::Tensor& x, double peak, bool fp32_out) {
+  check(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x must be contiguous bf16 [M, K]");
+  const float recip_peak = static_cast<float>(1.0 / peak);  // fp32(1/peak), rounded once
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor out = at::empty({M, K}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  if (fp32_out)
+    qdq_rows<true>(xp, M, K, recip_peak, out.data_ptr());
+  else
+    qdq_rows<false>(xp, M, K, recip_peak, out.data_ptr());
+  return out;
+}
+
+bool vectorized() {
+#if defined(TORCH_BQ_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+}  // namespace torch_bq_cpu
+
+TORCH_LIBRARY(torch_bq_cpu, m) {
+  m.def("qdq_fp8(Tensor x, float peak, bool fp32_out) -> Tensor", &torch_bq_cpu::qdq_fp8);
+  m.def(
+      "fp8_linear(Tensor a, Tensor weight, Tensor scale, Tensor? bias, int bn, int bk, int decode_max_m, "
+      "int panel_bytes) -> Tensor",
+      &torch_bq_cpu::fp8_linear);
+  m.def("fp4_linear(Tensor a, Tensor weight, Tensor scale, Tensor? bias, int decode_max_m, int panel_bytes) -> Tensor",
+        &torch_bq_cpu::fp4_linear);
+  m.def("vectorized() -> bool", &torch_bq_cpu::vectorized);
+}
