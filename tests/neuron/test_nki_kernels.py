@@ -296,6 +296,30 @@ def test_other_fp8_layouts_fall_back_to_the_reference(block, scale_dtype, k):
     assert launch_args.kernel is None and str(block) in launch_args.fallback
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_scale_codes_the_kernel_cannot_decode_exactly_fall_back(fmt):
+    # Legal weights (SPEC §1) whose bf16 decode factor would leave bf16's range:
+    # the reference must serve them rather than the kernel returning NaN or 0.
+    k = 64
+    x = torch.randn(2, k)
+    lo, hi = prep.FP8_EXACT_CODES if fmt == "fp8" else prep.FP4_EXACT_CODES
+    for code, served_by_kernel in ((lo, True), (hi, True), (lo - 1, False), (hi + 1, False)):
+        if fmt == "fp8":
+            data, scale = formats.quantize_fp8(torch.randn(32, k))
+            scale = formats.as_e8m0_codes(scale).clone()
+            scale[0, 1] = code
+            args = prep.prepare_fp8_linear(x, data, scale, None, (32, 32), True, 224.0, torch.bfloat16)
+        else:
+            packed, scale = formats.quantize_fp4(torch.randn(32, k))
+            scale = formats.as_e8m0_codes(scale).clone()
+            scale[3, 1] = code
+            args = prep.prepare_fp4_linear(x, packed, scale, None, True, 224.0, torch.bfloat16)
+        if served_by_kernel:
+            assert args.fallback is None and args.kernel is not None, code
+        else:
+            assert args.kernel is None and f"outside {lo}..{hi}" in args.fallback, code
+
+
 def test_empty_inputs_launch_nothing():
     w = torch.randn(32, 64)
     data, scale = formats.quantize_fp8(w)

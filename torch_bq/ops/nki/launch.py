@@ -29,6 +29,8 @@ from ...reference import linear as ref
 __all__ = [
     "TRN2_FP8_MAX",
     "MAX_K",
+    "FP8_EXACT_CODES",
+    "FP4_EXACT_CODES",
     "KernelLaunch",
     "check_act_peak",
     "prepare_fp8_linear",
@@ -41,6 +43,11 @@ TRN2_FP8_MAX = 240.0  # Trainium2's native e4m3 saturates here (not 448)
 # The kernels stage a group of M tiles K-major in SBUF (2 bytes x K per partition
 # per tile); K <= 32768 keeps one staged tile within 64 KiB of the 192 KiB budget.
 MAX_K = 32768
+
+# e8m0 codes whose weights the kernels' bf16 decode represents exactly (derived in
+# decode.py's docstring); a weight with a code outside is served by the reference.
+FP8_EXACT_CODES = (3, 134)  # scales 2**-124 .. 2**7
+FP4_EXACT_CODES = (27, 160)  # scales 2**-100 .. 2**33
 
 _OUT_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -95,6 +102,20 @@ def _launch(kernel, x, n, tensors, options, out_dtype) -> KernelLaunch:
     return KernelLaunch(kernel, tensors, options, out_shape, out_dtype)
 
 
+def _codes_outside(codes: torch.Tensor, exact: tuple[int, int]) -> Optional[str]:
+    """Why the kernel cannot decode these e8m0 codes exactly, or ``None`` if it can.
+
+    Reads the scale grid's min and max: one small host sync per call, the price of
+    never returning a silently wrong product for a legal weight.
+    """
+    if codes.numel() == 0:
+        return None
+    lo, hi = int(codes.min()), int(codes.max())
+    if exact[0] <= lo and hi <= exact[1]:
+        return None
+    return f"e8m0 scale codes {lo}..{hi} outside {exact[0]}..{exact[1]}, which the kernel decodes exactly"
+
+
 def prepare_fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -112,7 +133,8 @@ def prepare_fp8_linear(
     multiple of it (1x32 MXFP8, 32x32, 128x128, ...) and ``bk`` in {32, 64, 128, 256,
     512} dividing ``K``; float32 (DeepSeek) scales or other blocks are served by the
     reference (``fallback`` set): a float32 scale need not be a power of two, so the
-    decoded weight would not be exact in bf16.
+    decoded weight would not be exact in bf16. So are scale codes outside
+    ``FP8_EXACT_CODES``.
     """
     ref.check_fp8_linear_args(x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
     check_act_peak(act_quant, act_peak)
@@ -124,6 +146,11 @@ def prepare_fp8_linear(
     if scale.dtype == torch.float32 or not (rows_ok and cols_ok):
         launch = _launch(None, x, n, (), {}, out_dtype)
         launch.fallback = f"fp8 block {(bn, bk)} with {scale.dtype} scales for K={k}"
+        return launch
+    out_of_range = _codes_outside(formats.as_e8m0_codes(scale), FP8_EXACT_CODES)
+    if out_of_range is not None:
+        launch = _launch(None, x, n, (), {}, out_dtype)
+        launch.fallback = out_of_range
         return launch
     tensors = (
         _x2d(x),
@@ -146,11 +173,19 @@ def prepare_fp4_linear(
     act_peak: float,
     out_dtype: torch.dtype,
 ) -> KernelLaunch:
-    """Check and lay out ``fp4_linear``'s arguments; ``K`` must be a multiple of 64."""
+    """Check and lay out ``fp4_linear``'s arguments; ``K`` must be a multiple of 64.
+
+    Scale codes outside ``FP4_EXACT_CODES`` are served by the reference (``fallback`` set).
+    """
     ref.check_fp4_linear_args(x, weight, scale, bias, act_quant, act_peak, out_dtype)
     check_act_peak(act_quant, act_peak)
     k = x.shape[-1]
     _check_k(k, 64, "fp4_linear")
+    out_of_range = _codes_outside(formats.as_e8m0_codes(scale), FP4_EXACT_CODES)
+    if out_of_range is not None:
+        launch = _launch(None, x, weight.shape[0], (), {}, out_dtype)
+        launch.fallback = out_of_range
+        return launch
     tensors = (
         _x2d(x),
         formats.as_fp4_bytes(weight).contiguous(),
