@@ -262,6 +262,21 @@ def test_quantizers_reject_non_finite_input(bad, quantize):
         quantize(w)
 
 
+@pytest.mark.parametrize("quantize", [formats.quantize_fp8, formats.quantize_fp4])
+def test_quantizers_reject_float64_beyond_float32_range(quantize):
+    w = torch.zeros(2, 40, dtype=torch.float64)
+    w[1, 3] = 1e39
+    with pytest.raises(ValueError, match=r"w \(as float32; .*\): expected finite values, got inf at index \[1, 3\]"):
+        quantize(w)
+
+
+def test_qdq_checks_run_under_fake_tensors():
+    with pytest.raises(ValueError, match="peak"):
+        torch.ops.torch_bq.qdq_fp8(torch.zeros(2, 32, device="meta"), 500.0)
+    with pytest.raises(ValueError, match="0-d"):
+        torch.ops.torch_bq.qdq_fp8(torch.zeros((), device="meta"), 224.0)
+
+
 def test_nan_codes_are_found_with_their_index():
     data = torch.zeros(4, 64, dtype=torch.uint8)
     scale = torch.full((1, 2), 127, dtype=torch.uint8)

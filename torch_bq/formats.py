@@ -258,10 +258,9 @@ def quantize_fp8(
         raise TypeError(
             f"scale_dtype: expected torch.float8_e8m0fnu, torch.uint8 or torch.float32, got {scale_dtype}"
         )
-    check_finite(w, "w")
+    w32 = _finite_float32(w, "w")
     n, k = w.shape
     bn, bk = block
-    w32 = w.to(torch.float32)
     blocks = _pad_to_blocks(w32, block).unflatten(0, (-1, bn)).unflatten(2, (-1, bk))
     amax = blocks.abs().amax(dim=(1, 3)).to(torch.float64)  # [N/bn, K/bk]
     exponent = torch.where(
@@ -305,9 +304,8 @@ def quantize_fp4(w: torch.Tensor, rounding: str = "ceil") -> tuple[torch.Tensor,
     if rounding not in ("ceil", "floor"):
         raise ValueError(f"rounding: expected 'ceil' or 'floor', got {rounding!r}")
     _check_float_matrix(w, "w")
-    check_finite(w, "w")
+    w32 = _finite_float32(w, "w")
     n, k = w.shape
-    w32 = w.to(torch.float32)
     blocks = _pad_to_blocks(w32, (1, FP4_BLOCK)).unflatten(1, (-1, FP4_BLOCK))
     amax = blocks.abs().amax(dim=2).to(torch.float64)  # [N, K/32]
     positive = amax > 0
@@ -346,11 +344,7 @@ def qdq_fp8(x: torch.Tensor, peak: float = DEFAULT_ACT_PEAK) -> torch.Tensor:
     Returns:
         ``[..., K]`` ``bfloat16``.
     """
-    if not x.dtype.is_floating_point:
-        raise TypeError(f"x: expected a floating-point dtype, got {x.dtype}")
-    check_peak(peak, "peak")
-    if x.dim() == 0:
-        raise ValueError("x: expected shape [..., K] (at least one dim), got a 0-d tensor")
+    check_qdq_args(x, peak)
     k = x.shape[-1]
     xb = x.to(torch.bfloat16).to(torch.float32)
     blocks = torch.nn.functional.pad(xb, (0, -k % QDQ_BLOCK)).unflatten(-1, (-1, QDQ_BLOCK))
@@ -441,6 +435,24 @@ def check_peak(peak: float, name: str = "act_peak") -> None:
     if not 0.0 < peak <= FP8_MAX:
         short = name.rsplit(".", 1)[-1]
         raise ValueError(f"{name}: expected 0 < {short} <= {FP8_MAX}, got {peak}")
+
+
+def check_qdq_args(x: torch.Tensor, peak: float) -> None:
+    """Raise on a non-float or 0-d ``x`` or a peak outside ``(0, 448]`` (``qdq_fp8``'s arguments)."""
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"x: expected a floating-point dtype, got {x.dtype}")
+    check_peak(peak, "peak")
+    if x.dim() == 0:
+        raise ValueError("x: expected shape [..., K] (at least one dim), got a 0-d tensor")
+
+
+def _finite_float32(w: torch.Tensor, name: str) -> torch.Tensor:
+    """``w`` as float32, raising if it holds NaN/inf or (float64) values beyond float32's range."""
+    check_finite(w, name)
+    w32 = w.to(torch.float32)
+    if w.dtype == torch.float64:
+        check_finite(w32, f"{name} (as float32; float64 values beyond float32's range)")
+    return w32
 
 
 def check_finite(x: torch.Tensor, name: str) -> None:

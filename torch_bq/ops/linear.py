@@ -64,8 +64,7 @@ def _qdq_fp8(x: torch.Tensor, peak: float) -> torch.Tensor:
 
 @_qdq_fp8.register_fake
 def _(x, peak):
-    if not x.dtype.is_floating_point:
-        raise TypeError(f"x: expected a floating-point dtype, got {x.dtype}")
+    formats.check_qdq_args(x, peak)
     return torch.empty_like(x, dtype=torch.bfloat16)
 
 
