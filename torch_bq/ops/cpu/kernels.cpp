@@ -27,7 +27,10 @@
 //   Tiles: NT = 4 weight rows x MT = 1-2 activation rows when M <= 3 (decode-
 //   bound: one A load serves four rows), else NT = 1 x MT = 8 / 4 (FMA-bound:
 //   one decode serves eight rows). Single-row tiles with e8m0 scales factor
-//   the (power-of-two) scale out of each block's partial sum, which is exact.
+//   the (power-of-two) scale out of each block's partial sum, which is exact;
+//   for fp8 with 32-wide blocks they instead run fp8_row_blocks32, one whole
+//   block per iteration with the integer decoder below (scales up to 2**7;
+//   the rest of the row falls back to the general loop at a larger one).
 //   Each output element is produced by one task in a fixed order, so the
 //   result does not depend on the thread count.
 // Prefill (M > decode_max_m): a panel of P rows of W (P*K*4 <= panel_bytes) is
@@ -41,6 +44,11 @@
 //        subnormals, which vcvtph2ps converts exactly). The 2**8 goes into the
 //        block scale when that stays finite; blocks whose scale * 2**8
 //        overflows take the scalar path.
+//        Single-row fp8 with 32-wide e8m0 blocks uses fewer instructions:
+//        sign-extend to int32, shift left 20, keep sign and bits 20..26 -> an
+//        fp32 whose value is e4m3(b) * 2**-120 (subnormals exact), times the
+//        block scale * 2**120. Needs MXCSR.DAZ clear (checked per tile:
+//        torch.set_flush_denormal(True) sets it), else the F16C decoder runs.
 //   fp4: nibble -> high byte of the fp16 encoding of its e2m1 value via
 //        vpshufb (the low byte is always 0), then vcvtph2ps.
 
@@ -119,6 +127,16 @@ struct Fp8Format {
     lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
     hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
   }
+  // 8 elements times `scale` (a block scale times 2**120), without F16C:
+  // sign-extend to int32, shift left 20, keep the sign and bits 20..26: an
+  // fp32 whose value is e4m3(b) * 2**-120 (E4M3 subnormals become fp32
+  // subnormals, exact). One multiply by a power of two then gives the weight
+  // element e4m3(b) * s exactly, as the reference forms it.
+  static __m256 decode8_scaled(const uint8_t* p, __m256 scale) {
+    const __m256i d = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(d, 20), _mm256_set1_epi32(static_cast<int>(0x87F00000u)));
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), scale);
+  }
 #endif
 };
 
@@ -180,6 +198,47 @@ inline float folded_scale(const float* s, int64_t i, bool& ok) {
 }
 #endif
 
+#if defined(TORCH_BQ_AVX2)
+// fp8 with 32-wide e8m0 blocks (32x32, 1x32), one activation row, NT weight
+// rows: the decode-bound case, so one whole block per iteration with the
+// fewest vector instructions per element (4 per 8: load+sign-extend, shift,
+// and, multiply, plus the FMA). The block's 32 A values are loaded once for
+// all NT rows; two accumulators per row halve the FMA dependency chain.
+// Covers blocks [0, K/32) and returns the first block it did not do: the
+// partial last block, or a block whose scale * 2**120 would overflow
+// (code > 134, i.e. a scale above 2**7), which the caller's general loop
+// then takes over. Needs MXCSR.DAZ clear (the decoded subnormals are inputs).
+template <int NT>
+int64_t fp8_row_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* a, int64_t K,
+                         __m256* acc) {
+  __m256 acc_odd[NT];
+  for (int j = 0; j < NT; ++j) acc_odd[j] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b < K / 32; ++b) {
+    uint32_t max_code = 0;
+    for (int j = 0; j < NT; ++j) max_code = std::max<uint32_t>(max_code, scale_rows[j][b]);
+    if (max_code > 134) break;
+    const int64_t k = b * 32;
+    const __m256 a0 = _mm256_loadu_ps(a + k), a1 = _mm256_loadu_ps(a + k + 8);
+    const __m256 a2 = _mm256_loadu_ps(a + k + 16), a3 = _mm256_loadu_ps(a + k + 24);
+    for (int j = 0; j < NT; ++j) {
+      // 2**(code - 127) * 2**120, exact for codes 0..134 (code 0 included).
+      const __m256 s = _mm256_set1_ps(f32_from_bits((uint32_t(scale_rows[j][b]) + 120) << 23));
+      const uint8_t* wk = rows[j] + k;
+      acc[j] = _mm256_fmadd_ps(a0, Fp8Format::decode8_scaled(wk, s), acc[j]);
+      acc_odd[j] = _mm256_fmadd_ps(a1, Fp8Format::decode8_scaled(wk + 8, s), acc_odd[j]);
+      acc[j] = _mm256_fmadd_ps(a2, Fp8Format::decode8_scaled(wk + 16, s), acc[j]);
+      acc_odd[j] = _mm256_fmadd_ps(a3, Fp8Format::decode8_scaled(wk + 24, s), acc_odd[j]);
+    }
+  }
+  for (int j = 0; j < NT; ++j) acc[j] = _mm256_add_ps(acc[j], acc_odd[j]);
+  return b;
+}
+
+// Subnormal inputs read as zero (torch.set_flush_denormal(True) sets this).
+inline bool denormals_are_zero() { return (_mm_getcsr() & 0x0040) != 0; }
+#endif
+
 struct WeightView {
   const uint8_t* data;  // [N, row_bytes(K)]
   int64_t row_stride;
@@ -219,7 +278,11 @@ void dot_tile(const WeightView& w, const float* A, int64_t m0, int64_t n0, float
     __m256 acc[MT][NT];
     for (int i = 0; i < MT; ++i)
       for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nblocks; ++b) {
+    int64_t b = 0;
+    if constexpr (kFactorScale && std::is_same_v<Fmt, Fp8Format>) {
+      if (w.bk == 32 && !denormals_are_zero()) b = fp8_row_blocks32<NT>(rows, srows, arows[0], K, acc[0]);
+    }
+    for (; b < nblocks; ++b) {
       const int64_t k0 = b * w.bk, k1 = std::min(K, k0 + w.bk);
       const int64_t vector_end = k0 + (k1 - k0) / 16 * 16;
       if (vector_end == k0) continue;
