@@ -154,6 +154,33 @@ def test_fp8_huge_scales_take_the_exact_path(impl):
 
 
 @impls
+@pytest.mark.parametrize("block", [(1, 32), (32, 32)])
+@pytest.mark.parametrize("flush_denormal", [False, True])
+def test_fp8_single_row_scale_range_and_subnormals(impl, block, flush_denormal, threads):
+    """M = 1 with 32-wide e8m0 blocks (the kernel's whole-block path, which
+    decodes E4M3 subnormals through fp32 subnormals and needs scale * 2**120
+    finite): codes up to 134 take that path, a larger code hands the rest of
+    the row to the general loop, and with denormals-are-zero set (torch's
+    flush_denormal) the path is not used. Every weight element is subnormal
+    or small, so a decoder that dropped subnormals would return about zero."""
+    threads(1)  # flush_denormal applies to the calling thread only
+    n, k = 8, 32 * 6 + 7  # two 4-row tiles; a partial last block
+    data = torch.full((n, k), 0x01, dtype=torch.uint8)  # e4m3 subnormal 2**-9
+    data[:, 1::3] = 0x86  # -2**-9 * 6
+    data[:, 2::5] = 0x0B  # 2**-6 * 1.375
+    codes = torch.tensor([130, 134, 0, 135, 100, 127, 125], dtype=torch.uint8).repeat(-(-n // block[0]), 1)
+    codes[-1, 3] = 134  # with (1, 32): the last tile leaves the fast path one block later
+    x = torch.randn(1, k)
+    w = formats.dequantize_fp8(data, codes, block, torch.float32)
+    torch.set_flush_denormal(flush_denormal)
+    try:
+        y = FP8[impl](x, data, codes, None, list(block), False, 224.0, torch.float32)
+    finally:
+        torch.set_flush_denormal(False)
+    assert_linear_close(y, operand(x, False), w)
+
+
+@impls
 @given(weight=fp8_weights(max_n=70, max_k=200), act_quant=st.booleans(), data=st.data())
 def test_fp8_linear_property_decode_and_prefill(impl, weight, act_quant, data):
     """Row counts on both sides of DECODE_MAX_M."""

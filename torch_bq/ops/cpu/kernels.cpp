@@ -27,7 +27,13 @@
 //   Tiles: NT = 4 weight rows x MT = 1-2 activation rows when M <= 3 (decode-
 //   bound: one A load serves four rows), else NT = 1 x MT = 8 / 4 (FMA-bound:
 //   one decode serves eight rows). Single-row tiles with e8m0 scales factor
-//   the (power-of-two) scale out of each block's partial sum, which is exact.
+//   the (power-of-two) scale out of each block's partial sum, which is exact;
+//   for fp8 with 32-wide blocks they instead run fp8_row_blocks32, one whole
+//   block per iteration with the integer decoder below (scales up to 2**7;
+//   the rest of the row falls back to the general loop at a larger one), and
+//   fp4 runs fp4_row_blocks32 against a copy of A whose 32-blocks are
+//   permuted (even elements, then odd) to match the nibble order, so the
+//   decoder needs no interleave.
 //   Each output element is produced by one task in a fixed order, so the
 //   result does not depend on the thread count.
 // Prefill (M > decode_max_m): a panel of P rows of W (P*K*4 <= panel_bytes) is
@@ -41,6 +47,11 @@
 //        subnormals, which vcvtph2ps converts exactly). The 2**8 goes into the
 //        block scale when that stays finite; blocks whose scale * 2**8
 //        overflows take the scalar path.
+//        Single-row fp8 with 32-wide e8m0 blocks uses fewer instructions:
+//        sign-extend to int32, shift left 20, keep sign and bits 20..26 -> an
+//        fp32 whose value is e4m3(b) * 2**-120 (subnormals exact), times the
+//        block scale * 2**120. Needs MXCSR.DAZ clear (checked per tile:
+//        torch.set_flush_denormal(True) sets it), else the F16C decoder runs.
 //   fp4: nibble -> high byte of the fp16 encoding of its e2m1 value via
 //        vpshufb (the low byte is always 0), then vcvtph2ps.
 
@@ -55,6 +66,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #if defined(TORCH_BQ_AVX2)
 #include <immintrin.h>
@@ -119,6 +131,16 @@ struct Fp8Format {
     lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
     hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
   }
+  // 8 elements times `scale` (a block scale times 2**120), without F16C:
+  // sign-extend to int32, shift left 20, keep the sign and bits 20..26: an
+  // fp32 whose value is e4m3(b) * 2**-120 (E4M3 subnormals become fp32
+  // subnormals, exact). One multiply by a power of two then gives the weight
+  // element e4m3(b) * s exactly, as the reference forms it.
+  static __m256 decode8_scaled(const uint8_t* p, __m256 scale) {
+    const __m256i d = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(d, 20), _mm256_set1_epi32(static_cast<int>(0x87F00000u)));
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), scale);
+  }
 #endif
 };
 
@@ -143,6 +165,23 @@ struct Fp4Format {
     const __m128i zero = _mm_setzero_si128();
     lo = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, hb));
     hi = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, hb));
+  }
+  // One 32-element block (16 bytes) without restoring element order: even
+  // elements 0..14 and 16..30 (low nibbles), then odd ones 1..15 and 17..31
+  // (high nibbles); the caller's activation is permuted to match
+  // (split_activation_blocks32).
+  static void decode32_split(const uint8_t* p, __m256& even0, __m256& even1, __m256& odd0, __m256& odd1) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lut = _mm_setr_epi8(0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46, char(0x80), char(0xB8),
+                                      char(0xBC), char(0xBE), char(0xC0), char(0xC2), char(0xC4), char(0xC6));
+    const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, mask));
+    const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+    const __m128i zero = _mm_setzero_si128();
+    even0 = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, lo));
+    even1 = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, lo));
+    odd0 = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, hi));
+    odd1 = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, hi));
   }
 #endif
 };
@@ -180,6 +219,69 @@ inline float folded_scale(const float* s, int64_t i, bool& ok) {
 }
 #endif
 
+#if defined(TORCH_BQ_AVX2)
+// fp8 with 32-wide e8m0 blocks (32x32, 1x32), one activation row, NT weight
+// rows: the decode-bound case, so one whole block per iteration with the
+// fewest vector instructions per element (4 per 8: load+sign-extend, shift,
+// and, multiply, plus the FMA). The block's 32 A values are loaded once for
+// all NT rows; two accumulators per row halve the FMA dependency chain.
+// Covers blocks [0, K/32) and returns the first block it did not do: the
+// partial last block, or a block whose scale * 2**120 would overflow
+// (code > 134, i.e. a scale above 2**7), which the caller's general loop
+// then takes over. Needs MXCSR.DAZ clear (the decoded subnormals are inputs).
+template <int NT>
+int64_t fp8_row_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* a, int64_t K,
+                         __m256* acc) {
+  __m256 acc_odd[NT];
+  for (int j = 0; j < NT; ++j) acc_odd[j] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b < K / 32; ++b) {
+    uint32_t max_code = 0;
+    for (int j = 0; j < NT; ++j) max_code = std::max<uint32_t>(max_code, scale_rows[j][b]);
+    if (max_code > 134) break;
+    const int64_t k = b * 32;
+    const __m256 a0 = _mm256_loadu_ps(a + k), a1 = _mm256_loadu_ps(a + k + 8);
+    const __m256 a2 = _mm256_loadu_ps(a + k + 16), a3 = _mm256_loadu_ps(a + k + 24);
+    for (int j = 0; j < NT; ++j) {
+      // 2**(code - 127) * 2**120, exact for codes 0..134 (code 0 included).
+      const __m256 s = _mm256_set1_ps(f32_from_bits((uint32_t(scale_rows[j][b]) + 120) << 23));
+      const uint8_t* wk = rows[j] + k;
+      acc[j] = _mm256_fmadd_ps(a0, Fp8Format::decode8_scaled(wk, s), acc[j]);
+      acc_odd[j] = _mm256_fmadd_ps(a1, Fp8Format::decode8_scaled(wk + 8, s), acc_odd[j]);
+      acc[j] = _mm256_fmadd_ps(a2, Fp8Format::decode8_scaled(wk + 16, s), acc[j]);
+      acc_odd[j] = _mm256_fmadd_ps(a3, Fp8Format::decode8_scaled(wk + 24, s), acc_odd[j]);
+    }
+  }
+  for (int j = 0; j < NT; ++j) acc[j] = _mm256_add_ps(acc[j], acc_odd[j]);
+  return b;
+}
+
+// MXFP4, one activation row, NT weight rows: one whole block per iteration
+// against the block-permuted activation (split_activation_blocks32), so the
+// nibbles need no interleaving back into element order; the e8m0 scale is
+// factored out of the block's partial sum (exact). Covers blocks [0, K/32).
+template <int NT>
+int64_t fp4_row_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* a_split,
+                         int64_t K, __m256* acc) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float* a = a_split + b * 32;
+    const __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8);
+    const __m256 a2 = _mm256_loadu_ps(a + 16), a3 = _mm256_loadu_ps(a + 24);
+    for (int j = 0; j < NT; ++j) {
+      __m256 even0, even1, odd0, odd1;
+      Fp4Format::decode32_split(rows[j] + b * 16, even0, even1, odd0, odd1);
+      const __m256 p = _mm256_add_ps(_mm256_fmadd_ps(a1, even1, _mm256_mul_ps(a0, even0)),
+                                     _mm256_fmadd_ps(a3, odd1, _mm256_mul_ps(a2, odd0)));
+      acc[j] = _mm256_fmadd_ps(p, _mm256_set1_ps(kTables.e8m0[scale_rows[j][b]]), acc[j]);
+    }
+  }
+  return K / 32;
+}
+
+// Subnormal inputs read as zero (torch.set_flush_denormal(True) sets this).
+inline bool denormals_are_zero() { return (_mm_getcsr() & 0x0040) != 0; }
+#endif
+
 struct WeightView {
   const uint8_t* data;  // [N, row_bytes(K)]
   int64_t row_stride;
@@ -196,7 +298,8 @@ struct WeightView {
 // 16-wide chunks; the scalar pass covers the rest (all of it when the
 // block's folded scale would overflow).
 template <class Fmt, class S, int MT, int NT>
-void dot_tile(const WeightView& w, const float* A, int64_t m0, int64_t n0, float* out, int64_t N) {
+void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t m0, int64_t n0, float* out,
+              int64_t N) {
   const int64_t K = w.K;
   const uint8_t* rows[NT];
   const S* srows[NT];
@@ -219,7 +322,14 @@ void dot_tile(const WeightView& w, const float* A, int64_t m0, int64_t n0, float
     __m256 acc[MT][NT];
     for (int i = 0; i < MT; ++i)
       for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nblocks; ++b) {
+    int64_t b = 0;
+    if constexpr (kFactorScale && std::is_same_v<Fmt, Fp8Format>) {
+      if (w.bk == 32 && !denormals_are_zero()) b = fp8_row_blocks32<NT>(rows, srows, arows[0], K, acc[0]);
+    }
+    if constexpr (kFactorScale && std::is_same_v<Fmt, Fp4Format>) {
+      if (a_split != nullptr) b = fp4_row_blocks32<NT>(rows, srows, a_split + m0 * K, K, acc[0]);
+    }
+    for (; b < nblocks; ++b) {
       const int64_t k0 = b * w.bk, k1 = std::min(K, k0 + w.bk);
       const int64_t vector_end = k0 + (k1 - k0) / 16 * 16;
       if (vector_end == k0) continue;
@@ -298,24 +408,38 @@ void dot_tile(const WeightView& w, const float* A, int64_t m0, int64_t n0, float
 // (A is re-read from L1/L2, each decoded chunk is shared by 8 or 4 rows);
 // with NT = 4 (M <= 3), tiles of 2 and 1 rows.
 template <class Fmt, class S, int NT>
-void rows_tile(const WeightView& w, const float* A, int64_t M, int64_t n, float* out, int64_t N) {
+void rows_tile(const WeightView& w, const float* A, const float* a_split, int64_t M, int64_t n, float* out,
+               int64_t N) {
   int64_t m = 0;
   if constexpr (NT == 1) {
-    for (; m + 8 <= M; m += 8) dot_tile<Fmt, S, 8, 1>(w, A, m, n, out, N);
-    for (; m + 4 <= M; m += 4) dot_tile<Fmt, S, 4, 1>(w, A, m, n, out, N);
+    for (; m + 8 <= M; m += 8) dot_tile<Fmt, S, 8, 1>(w, A, a_split, m, n, out, N);
+    for (; m + 4 <= M; m += 4) dot_tile<Fmt, S, 4, 1>(w, A, a_split, m, n, out, N);
   }
-  for (; m + 2 <= M; m += 2) dot_tile<Fmt, S, 2, NT>(w, A, m, n, out, N);
-  if (m < M) dot_tile<Fmt, S, 1, NT>(w, A, m, n, out, N);
+  for (; m + 2 <= M; m += 2) dot_tile<Fmt, S, 2, NT>(w, A, a_split, m, n, out, N);
+  if (m < M) dot_tile<Fmt, S, 1, NT>(w, A, a_split, m, n, out, N);
 }
 
 template <class Fmt, class S>
-void decode_rows(const WeightView& w, const float* A, int64_t M, int64_t n_begin, int64_t n_end, float* out,
-                 int64_t N) {
+void decode_rows(const WeightView& w, const float* A, const float* a_split, int64_t M, int64_t n_begin,
+                 int64_t n_end, float* out, int64_t N) {
   int64_t n = n_begin;
   if (M <= 3) {  // decode-bound: share each A load across four weight rows
-    for (; n + 4 <= n_end; n += 4) rows_tile<Fmt, S, 4>(w, A, M, n, out, N);
+    for (; n + 4 <= n_end; n += 4) rows_tile<Fmt, S, 4>(w, A, a_split, M, n, out, N);
   }
-  for (; n < n_end; ++n) rows_tile<Fmt, S, 1>(w, A, M, n, out, N);
+  for (; n < n_end; ++n) rows_tile<Fmt, S, 1>(w, A, a_split, M, n, out, N);
+}
+
+// A [M, K] with every full 32-block reordered as fp4_row_blocks32 reads it:
+// elements 0, 2, .., 30 of the block, then 1, 3, .., 31.
+std::vector<float> split_activation_blocks32(const float* A, int64_t M, int64_t K) {
+  std::vector<float> split(M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k0 = 0; k0 + 32 <= K; k0 += 32)
+      for (int i = 0; i < 16; ++i) {
+        split[m * K + k0 + i] = A[m * K + k0 + 2 * i];
+        split[m * K + k0 + 16 + i] = A[m * K + k0 + 2 * i + 1];
+      }
+  return split;
 }
 
 // Runs task(i) for i in [0, count) on torch's intra-op threads. Tasks are
@@ -339,8 +463,13 @@ void run_tasks(int64_t count, const Task& task) {
 template <class Fmt, class S>
 void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, float* out) {
   constexpr int64_t kRowsPerTask = 16;  // multiple of the tile height NT
+  std::vector<float> split;
+#if defined(TORCH_BQ_AVX2)
+  if constexpr (std::is_same_v<Fmt, Fp4Format>) split = split_activation_blocks32(A, M, w.K);
+#endif
+  const float* a_split = split.empty() ? nullptr : split.data();
   run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
-    decode_rows<Fmt, S>(w, A, M, t * kRowsPerTask, std::min(N, (t + 1) * kRowsPerTask), out, N);
+    decode_rows<Fmt, S>(w, A, a_split, M, t * kRowsPerTask, std::min(N, (t + 1) * kRowsPerTask), out, N);
   });
 }
 
