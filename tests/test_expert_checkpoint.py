@@ -6,6 +6,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import checkpoint_fixtures as fx
+
 from torch_bq.nn import CheckpointError, CheckpointReader, FP4Experts, FP8Experts, MissingTensorError
 
 E, H = 4, 64
@@ -52,19 +54,6 @@ def gpt_oss_tensors(module):
     return out
 
 
-def write_sharded(tmp_path, tensors, shards=2):
-    """A directory with ``model.safetensors.index.json`` over ``shards`` files."""
-    names = sorted(tensors)
-    weight_map = {}
-    for s in range(shards):
-        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: tensors[n] for n in names[s::shards]}
-        save_file(part, tmp_path / file)
-        weight_map.update({n: file for n in part})
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return tmp_path
-
-
 def deepseek_tensors(module, names=("w1", "w3", "w2"), scale_suffix="scale"):
     """Per-expert ``{p}.{e}.w1/w3/w2.weight`` + scale, split from a fused swiglu module."""
     i = module.intermediate_size
@@ -92,7 +81,8 @@ def test_gpt_oss_sharded_directory(tmp_path):
     expected = quantized_module(FP4Experts, 64, bias=True, activation="gpt-oss")
     tensors = gpt_oss_tensors(expected)
     tensors["model.embed_tokens.weight"] = torch.randn(10, H).to(torch.bfloat16)
-    loaded = FP4Experts.from_checkpoint(write_sharded(tmp_path, tensors), PREFIX, layout="gpt-oss")
+    fx.sharded(tmp_path, tensors)
+    loaded = FP4Experts.from_checkpoint(tmp_path, PREFIX, layout="gpt-oss")
     assert_same_module(loaded, expected)
 
 
@@ -124,7 +114,8 @@ def test_deepseek_per_expert_scale_layout(tmp_path, fmt):
     if fmt == "fp4":  # DeepSeek-V4 style stores packed fp4 as int8 and scales as F8_E8M0
         tensors = {k: v.view(torch.int8) if k.endswith(".weight") else v for k, v in tensors.items()}
     cls = FP8Experts if fmt == "fp8" else FP4Experts
-    loaded = cls.from_checkpoint(write_sharded(tmp_path, tensors, shards=3), PREFIX, layout="deepseek")
+    fx.sharded(tmp_path, tensors, shards=3)
+    loaded = cls.from_checkpoint(tmp_path, PREFIX, layout="deepseek")
     assert_same_module(loaded, expected)
 
 
