@@ -49,21 +49,6 @@ class InspectRow:
         return self.status == "ok"
 
 
-def _layer_prefixes(keys: Sequence[str]) -> list[str]:
-    from .nn.checkpoint import _SCALE_SUFFIXES  # the loader's scale names, so both agree
-
-    keyset = set(keys)
-    prefixes = set()
-    for k in keys:
-        if k.endswith("_blocks") or k.endswith("_scales"):
-            prefixes.add(k[: -len("_blocks")])
-            continue
-        for suffix in _SCALE_SUFFIXES:
-            if k.endswith(suffix) and k[: -len(suffix)] + ".weight" in keyset:
-                prefixes.add(k[: -len(suffix)])
-    return sorted(prefixes)
-
-
 def inspect_checkpoint(source, *, progress: Optional[TextIO] = None) -> tuple[list[InspectRow], dict]:
     """Find and validate every quantized linear of ``source``.
 
@@ -74,12 +59,12 @@ def inspect_checkpoint(source, *, progress: Optional[TextIO] = None) -> tuple[li
         ``(rows, totals)`` with ``totals = {"quantized_bytes", "other_bytes",
         "other_tensors", "invalid"}``.
     """
-    from .nn.checkpoint import CheckpointError, detect_linear, open_checkpoint, read_linear
+    from .checkpoint import CheckpointError, detect_linear, open_checkpoint, quantized_prefixes, read_linear
     from .nn.convert import _Progress
 
     rows: list[InspectRow] = []
     with open_checkpoint(source) as reader:
-        prefixes = _layer_prefixes(reader.keys())
+        prefixes = quantized_prefixes(reader.keys())
         bar = _Progress(progress, max(1, len(prefixes)), "inspect")
         used: set[str] = set()
         for prefix in prefixes:
@@ -123,7 +108,7 @@ def _mib(n: int) -> str:
 
 
 def _run_inspect(args: argparse.Namespace, out: TextIO = None) -> int:
-    from .nn.checkpoint import CheckpointError
+    from .checkpoint import CheckpointError
 
     out = out or sys.stdout
     try:
@@ -177,7 +162,7 @@ def _parse_block(text: str) -> tuple[int, int]:
 
 
 def _run_convert(args: argparse.Namespace, out: TextIO = None) -> int:
-    from .nn.checkpoint import CheckpointError
+    from .checkpoint import CheckpointError
     from .nn.convert import convert_checkpoint
 
     out = out or sys.stdout

@@ -32,7 +32,7 @@ from torch import nn
 
 from .. import formats, ops
 from .linear import _QuantizedLinear
-from .validation import scan_nan_codes
+from ..checkpoint.scan import scan_nan_codes
 
 __all__ = ["FP4Experts", "FP8Experts", "ACTIVATIONS", "GPT_OSS_ALPHA", "GPT_OSS_LIMIT"]
 
