@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import shutil
 import sys
@@ -23,7 +25,9 @@ import torch
 from torch import nn
 
 from .. import formats
+from ._staging import StagedDirectory
 from .checkpoint import (
+    _SCALE_SUFFIXES,
     INDEX_NAME,
     CheckpointError,
     CheckpointReader,
@@ -282,12 +286,105 @@ class _Progress:
         self.stream.flush()
 
 
-def _should_quantize(name: str, t_shape, t_dtype, include: Optional[str], exclude: Optional[str]) -> bool:
+def _compile_regex(pattern: Optional[str], name: str) -> Optional[re.Pattern]:
+    if pattern is None:
+        return None
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"{name}: not a valid regular expression ({e}): {pattern!r}") from None
+
+
+def _should_quantize(name: str, t_shape, t_dtype, include: Optional[re.Pattern], exclude: Optional[re.Pattern]) -> bool:
     if len(t_shape) != 2 or not name.endswith(".weight") or t_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
-    if include is not None and not re.search(include, name):
+    if include is not None and not include.search(name):
         return False
-    return not (exclude and re.search(exclude, name))
+    return not (exclude and exclude.search(name))
+
+
+def _check_loadable_block(block: tuple[int, int]) -> None:
+    """Refuse an fp8 block the loaders could not recover from the scale shape.
+
+    A torch_bq checkpoint records the block only through the scale grid's shape;
+    :func:`~torch_bq.nn.checkpoint.detect_linear` reads it back as 1 or a power of
+    two, so any other block length would be written but not loadable.
+    """
+    bad = [b for b in block if b & (b - 1)]
+    if bad:
+        raise ValueError(
+            f"block: expected each of (bn, bk) to be 1 or a power of two (the loaders read the block back "
+            f"from the scale shape, which only determines those), got {tuple(block)}"
+        )
+
+
+def _source_paths(reader: CheckpointReader) -> list[Path]:
+    """Every file ``convert_checkpoint`` reads from a path source (empty for a mapping)."""
+    paths = [Path(f) for f in reader.files()]
+    if reader.directory is not None:
+        paths += [p for p in reader.directory.iterdir() if p.is_file()]
+    return paths
+
+
+def _check_destination(reader: CheckpointReader, dst: Path, overwrite: bool) -> None:
+    """Refuse, before anything is written, a destination that is a file, is not empty, or overlaps the source.
+
+    ``dst`` inside the source directory is allowed: the output is a new
+    subdirectory, which no source file can be.
+    """
+    if os.path.lexists(dst) and not dst.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "dst: exists and is not a directory", str(dst))
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+        raise FileExistsError(f"dst: {dst} exists and is not empty; pass overwrite=True to replace it")
+    real_dst = dst.resolve()
+    if reader.directory is not None and (
+        real_dst == reader.directory.resolve() or (dst.exists() and os.path.samefile(dst, reader.directory))
+    ):
+        raise ValueError(f"dst: {dst} is the source directory; convert writes a new checkpoint, choose another dst")
+    for p in _source_paths(reader):
+        if p.resolve().is_relative_to(real_dst):
+            raise ValueError(
+                f"dst: {dst} contains the source file {p}; replacing dst would delete the source, choose another dst"
+            )
+
+
+def _plan(reader: CheckpointReader, format: str, include, exclude) -> dict[str, bool]:
+    """``{tensor name: quantize?}`` from the headers alone, refusing outputs that would be wrong.
+
+    Raises :class:`CheckpointError` for an fp4 weight with odd ``K`` (its packed
+    shape reads back as ``K + 1``) and for a weight to be quantized whose prefix
+    already holds a scale tensor: the new ``{p}.weight_scale`` would collide with
+    (or sit beside) the old one, and whether the float weight is already scaled
+    by it cannot be told from the file, so neither dropping nor keeping the old
+    scale is safe.
+    """
+    plan: dict[str, bool] = {}
+    for name in reader.keys():
+        shape, dtype = reader.shape(name), reader.dtype(name)
+        plan[name] = _should_quantize(name, shape, dtype, include, exclude)
+        if not plan[name]:
+            continue
+        prefix = name[: -len(".weight")]
+        present = [prefix + s for s in _SCALE_SUFFIXES if prefix + s in reader]
+        if present:
+            raise CheckpointError(
+                f"{name}: the source already holds {present} next to this {dtype} weight, so quantizing it "
+                f"would mix the old scale with the new one; remove the old scale tensors from the source "
+                f"(if the weight is already dequantized) or keep the layer in high precision with exclude="
+            )
+        if format == "fp4" and shape[1] % 2:
+            raise CheckpointError(
+                f"{name}: K = {shape[1]} is odd; an fp4 checkpoint stores K only as 2 * packed columns, "
+                f"so it would load back as K = {shape[1] + 1}; use fp8 or exclude= this weight"
+            )
+    return plan
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """Write one output shard (the one place convert writes tensor data)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata=metadata)
 
 
 def convert_checkpoint(
@@ -303,7 +400,7 @@ def convert_checkpoint(
     overwrite: bool = False,
     progress: Optional[TextIO] = sys.stderr,
 ) -> dict:
-    """Quantize a bf16/fp16/fp32 safetensors checkpoint into our layout, one shard at a time.
+    """Quantize a bf16/fp16/fp32 safetensors checkpoint into our layout, one shard at a time, atomically.
 
     Each 2-D floating ``*.weight`` whose name matches ``include`` (default: all) and
     not ``exclude`` becomes ``{p}.weight`` + ``{p}.weight_scale`` (SPEC.md §2
@@ -313,70 +410,89 @@ def convert_checkpoint(
     ``model-XXXXX-of-XXXXX.safetensors`` files, ``model.safetensors.index.json``,
     and copies of the source directory's other files (``config.json`` etc.).
 
+    Atomic: the output is built in a temporary sibling of ``dst`` and renamed
+    into place only once every file is written and fsynced (see
+    :mod:`torch_bq.nn._staging`). On any error (a NaN weight, a full disk, an
+    interrupt) ``dst`` is left exactly as it was, and a process killed at any
+    moment leaves either the previous ``dst`` (or none) or the complete new one.
+    The source is only read.
+
     Args:
         src: input file, directory or mapping.
-        dst: output directory (created; must be empty unless ``overwrite``).
+        dst: output directory (created; must be absent or empty unless ``overwrite``,
+            which replaces it as a whole; may lie inside the source directory but
+            must not be it or contain any source file).
         format: ``"fp8"`` or ``"fp4"``.
-        block, scale_dtype: fp8 options (see :func:`torch_bq.formats.quantize_fp8`).
+        block, scale_dtype: fp8 options (see :func:`torch_bq.formats.quantize_fp8`);
+            each block length must be 1 or a power of two, the blocks the loaders can
+            read back from the scale shape.
         rounding: fp4 scale rule, ``"ceil"`` or ``"floor"``.
         include, exclude: regular expressions on tensor names.
-        overwrite: allow a non-empty ``dst``.
+        overwrite: replace a non-empty ``dst``.
         progress: stream for progress lines (``None``: silent).
 
     Returns:
         A summary dict: ``{"quantized": [...], "copied": [...], "bytes_in": int, "bytes_out": int, "files": [...]}``.
-    """
-    from safetensors.torch import save_file
 
+    Raises:
+        ValueError: bad arguments (format, block, regex), ``dst`` overlapping the source.
+        CheckpointError: an unreadable source, a weight that cannot be converted
+            faithfully (non-finite values, an old scale beside it, odd K for fp4).
+        FileExistsError / NotADirectoryError: ``dst`` is not empty / is a file.
+        OSError: writing failed (read-only, disk full); nothing was changed.
+    """
     if format not in ("fp8", "fp4"):
         raise ValueError(f"format: expected 'fp8' or 'fp4', got {format!r}")
     block = formats._check_block(block)
+    if format == "fp8":
+        _check_loadable_block(block)
+    include_re, exclude_re = _compile_regex(include, "include"), _compile_regex(exclude or None, "exclude")
     dst = Path(dst)
-    if dst.exists() and any(dst.iterdir()) and not overwrite:
-        raise FileExistsError(f"dst: {dst} exists and is not empty; pass overwrite=True to write into it")
     summary = {"quantized": [], "copied": [], "bytes_in": 0, "bytes_out": 0, "files": []}
     with open_checkpoint(src) as reader:
+        _check_destination(reader, dst, overwrite)
+        plan = _plan(reader, format, include_re, exclude_re)
         files = reader.files()
         groups: list[list[str]] = (
             [[k for k in reader.keys() if reader.file_of(k) == f] for f in files] if files else [reader.keys()]
         )
-        dst.mkdir(parents=True, exist_ok=True)
+        extras = [p for p in _source_paths(reader) if p.suffix != ".safetensors" and p.name != INDEX_NAME]
         bar = _Progress(progress, len(reader), "convert")
         weight_map: dict[str, str] = {}
-        for i, names in enumerate(groups):
-            out_name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-            out: dict[str, torch.Tensor] = {}
-            for name in names:
-                t = reader.get(name)
-                summary["bytes_in"] += t.numel() * t.element_size()
-                if _should_quantize(name, t.shape, t.dtype, include, exclude):
-                    prefix = name[: -len(".weight")]
-                    try:
-                        if format == "fp8":
-                            data, scale = formats.quantize_fp8(t, block, scale_dtype)
-                        else:
-                            data, scale = formats.quantize_fp4(t, rounding)
-                    except ValueError as e:
-                        raise CheckpointError(f"{name}: {e}") from None
-                    out[f"{prefix}.weight"], out[f"{prefix}.weight_scale"] = data, scale
-                    summary["quantized"].append(name)
-                else:
-                    out[name] = t
-                    summary["copied"].append(name)
-                del t
-                bar.step(name)
-            save_file(out, dst / out_name, metadata={"format": "pt", "torch_bq": format})
-            summary["bytes_out"] += sum(v.numel() * v.element_size() for v in out.values())
-            weight_map.update({k: out_name for k in out})
-            summary["files"].append(out_name)
-            del out
-        (dst / INDEX_NAME).write_text(json.dumps(
-            {"metadata": {"total_size": summary["bytes_out"], "torch_bq": {
-                "format": format, "block": list(block) if format == "fp8" else [1, 32],
-                "scale_dtype": str(scale_dtype).replace("torch.", "") if format == "fp8" else "float8_e8m0fnu"}},
-             "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-        if reader.directory is not None:
-            for extra in sorted(reader.directory.iterdir()):
-                if extra.is_file() and extra.suffix != ".safetensors" and extra.name != INDEX_NAME:
-                    shutil.copy2(extra, dst / extra.name)
+        with StagedDirectory(dst) as stage:
+            for i, names in enumerate(groups):
+                out_name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+                out: dict[str, torch.Tensor] = {}
+                for name in names:
+                    t = reader.get(name)
+                    summary["bytes_in"] += t.numel() * t.element_size()
+                    if plan[name]:
+                        prefix = name[: -len(".weight")]
+                        try:
+                            if format == "fp8":
+                                data, scale = formats.quantize_fp8(t, block, scale_dtype)
+                            else:
+                                data, scale = formats.quantize_fp4(t, rounding)
+                        except ValueError as e:
+                            raise CheckpointError(f"{name}: {e}") from None
+                        out[f"{prefix}.weight"], out[f"{prefix}.weight_scale"] = data, scale
+                        summary["quantized"].append(name)
+                    else:
+                        out[name] = t
+                        summary["copied"].append(name)
+                    del t
+                    bar.step(name)
+                _save_shard(out, stage.path / out_name, {"format": "pt", "torch_bq": format})
+                summary["bytes_out"] += sum(v.numel() * v.element_size() for v in out.values())
+                weight_map.update({k: out_name for k in out})
+                summary["files"].append(out_name)
+                del out
+            (stage.path / INDEX_NAME).write_text(json.dumps(
+                {"metadata": {"total_size": summary["bytes_out"], "torch_bq": {
+                    "format": format, "block": list(block) if format == "fp8" else [1, 32],
+                    "scale_dtype": str(scale_dtype).replace("torch.", "") if format == "fp8" else "float8_e8m0fnu"}},
+                 "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+            for extra in sorted(extras):
+                shutil.copy2(extra, stage.path / extra.name)
+            stage.commit()
     return summary
