@@ -55,7 +55,7 @@ def test_inspect_reports_nan_codes_and_exits_1(tmp_path, capsys):
 def test_inspect_unreadable_file_exits_2(tmp_path, capsys):
     (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 4)
     assert cli.inspect_main([str(tmp_path / "bad.safetensors")]) == 2
-    assert "not a readable safetensors file" in capsys.readouterr().err
+    assert "not a valid safetensors file" in capsys.readouterr().err
 
 
 def test_convert_command_round_trip(tmp_path, capsys):

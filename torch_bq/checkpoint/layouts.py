@@ -62,9 +62,13 @@ _DENSE = (torch.bfloat16, torch.float32, torch.float16)
 LAYOUT_OF_SUFFIX = {".weight_scale": "torch_bq", ".weight_scale_inv": "deepseek-v3", ".scale": "deepseek-v3.1"}
 SCALE_SUFFIXES = tuple(LAYOUT_OF_SUFFIX)
 
-#: block lengths shape inference considers: powers of two and multiples of 16 (every block
-#: in use: MXFP 32, NVFP4 16, DeepSeek 128, torch_bq's 96 or 48); any other must be recorded or passed
-_INFER_MULTIPLE = 16
+#: block lengths shape inference considers: powers of two and multiples of 32. Every block a
+#: known family uses is a power of two (MXFP 32, DeepSeek 128); multiples of 32 are there so
+#: that a non-power-of-two block such as 96 is reported as ambiguous instead of being read as
+#: the one power of two that fits (64). With them torch_bq's default 32 is still never
+#: ambiguous: for ceil(n/32) = g > 1 no other multiple of 32 gives the same g. Any other
+#: block (48, 3x5) must be recorded or passed.
+_INFER_MULTIPLE = 32
 
 
 @dataclass(frozen=True)
@@ -153,12 +157,26 @@ def quantized_prefixes(keys: Sequence[str]) -> list[str]:
 
 
 def record_of(reader: CheckpointReader, prefix: str, weight_name: str) -> Optional[LayerRecord]:
-    """The record for ``prefix``: the weight's shard metadata, else config.json's torch_bq config, else ``None``."""
+    """The record for ``prefix``, or ``None``.
+
+    In order: the weight's shard ``__metadata__``; the module's own
+    ``{prefix}._extra_state`` (an ``FP8Linear`` state dict saved as is records its
+    block there: int64 ``[bn, bk]``); config.json's torch_bq ``quantization_config``.
+    """
     if weight_name in reader:
         where = reader.file_of(weight_name) or reader.description
         records = decode_records(reader.metadata(weight_name), str(where))
         if prefix in records:
             return records[prefix]
+    extra = f"{prefix}._extra_state" if prefix else "_extra_state"
+    if extra in reader:
+        if reader.dtype(extra) != torch.int64 or reader.shape(extra) != (2,):
+            raise CheckpointError(
+                f"{extra}: expected the module's recorded block, int64 [bn, bk], got {reader.dtype(extra)} "
+                f"{list(reader.shape(extra))}"
+            )
+        value = reader.get(extra).tolist()  # 16 bytes: the one data read before the layout is known
+        return LayerRecord("fp8", check_block_value(value, extra), None, source=extra)
     return config_record(reader.config, prefix, str(reader.root / "config.json") if reader.root else "config.json")
 
 
@@ -207,7 +225,7 @@ def block_candidates(size: int, grid: int, limit: int = 8) -> list[int]:
     ``grid == size`` admits only 1. ``grid == 1`` admits every ``b >= size``, which
     all decode alike; the smallest power of two is returned. Otherwise ``b`` lies in
     ``[ceil(size/grid), ceil(size/(grid-1)) - 1]``, and powers of two and multiples of
-    16 in that range are the candidates (any other block must be recorded or passed).
+    32 in that range are the candidates (any other block must be recorded or passed).
     """
     if grid == size:
         return [1]
@@ -248,7 +266,7 @@ def _fp8_block(reader: CheckpointReader, scale_name: str, n: int, k: int, grid: 
             return (bn[0], bk[0]), "shapes"
         if not bn or not bk:
             raise CheckpointError(
-                f"{scale_name}: shape {list(grid)} fits no block of 1, a power of two or a multiple of 16 for a "
+                f"{scale_name}: shape {list(grid)} fits no block of 1, a power of two or a multiple of 32 for a "
                 f"{[n, k]} fp8 weight, and the checkpoint records none; pass block=(bn, bk)"
             )
         candidates = [("fp8", (a, b)) for a in bn for b in bk]
