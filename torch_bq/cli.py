@@ -60,7 +60,16 @@ def inspect_checkpoint(source, *, progress: Optional[TextIO] = None) -> tuple[li
         ``(rows, totals)`` with ``totals = {"quantized_bytes", "other_bytes",
         "other_tensors", "invalid"}``.
     """
-    from .checkpoint import CheckpointError, detect_linear, open_checkpoint, quantized_prefixes, read_linear
+    from .checkpoint import (
+        CheckpointError,
+        IncompleteCheckpointError,
+        NotARegularFileError,
+        UnsafePathError,
+        detect_linear,
+        open_checkpoint,
+        quantized_prefixes,
+        read_linear,
+    )
     from .nn.convert import _Progress
 
     rows: list[InspectRow] = []
@@ -71,6 +80,8 @@ def inspect_checkpoint(source, *, progress: Optional[TextIO] = None) -> tuple[li
         for prefix in prefixes:
             try:
                 layout = detect_linear(reader, prefix, expert=None)
+            except (NotARegularFileError, UnsafePathError, IncompleteCheckpointError):
+                raise  # the checkpoint itself is unusable, not one layer
             except CheckpointError as e:
                 if "pass expert=i" not in str(e):
                     rows.append(InspectRow(prefix, "?", "?", None, (0, 0), None, 0, str(e), "?"))
