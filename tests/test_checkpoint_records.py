@@ -198,3 +198,78 @@ def test_float32_scales_out_of_range_are_rejected(bad):
     s[1, 0] = bad
     with pytest.raises(CheckpointError, match=r"x.weight_scale_inv: found .* at index \[1, 0\]"):
         FP8Linear.from_checkpoint({"x.weight": d, "x.weight_scale_inv": s}, "x", block=(128, 128))
+
+
+# --------------------------------------------------------------------------- #
+# NVFP4 (ModelOpt layout)
+# --------------------------------------------------------------------------- #
+
+
+def _modelopt_dir(root, n=48, k=100, bias=True, config=True):
+    from torch_bq.formats import quantize_nvfp4
+
+    w = _weight(n, k, seed=3)
+    data, scale, scale_2 = quantize_nvfp4(w)
+    tensors = {"m.weight": data, "m.weight_scale": scale, "m.weight_scale_2": scale_2,
+               "m.input_scale": torch.tensor(0.5)}
+    if bias:
+        tensors["m.bias"] = torch.randn(n, generator=torch.Generator().manual_seed(4)).bfloat16()
+    root.mkdir()
+    save_file(tensors, root / "model.safetensors")
+    if config:
+        (root / "config.json").write_text(json.dumps({"quantization_config": {
+            "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}}))
+    return tensors
+
+
+def test_modelopt_nvfp4_layout_loads_bit_exactly(tmp_path):
+    from torch_bq.nn import NVFP4Linear
+
+    t = _modelopt_dir(tmp_path / "mo")
+    layout = detect_linear(tmp_path / "mo", "m")
+    assert (layout.layout, layout.format, layout.block, layout.source) == ("modelopt", "nvfp4", (1, 16), "config")
+    m = NVFP4Linear.from_checkpoint(tmp_path / "mo", "m")
+    assert torch.equal(m.weight, t["m.weight"]) and torch.equal(_u8(m.weight_scale), _u8(t["m.weight_scale"]))
+    assert torch.equal(m.weight_scale_2, t["m.weight_scale_2"].reshape(())) and torch.equal(m.bias, t["m.bias"])
+    expected = formats.dequantize_nvfp4(t["m.weight"], t["m.weight_scale"], t["m.weight_scale_2"], 100)
+    assert torch.equal(m.dequantize(torch.float32).weight, expected)
+    with pytest.raises(CheckpointError, match="load them with NVFP4Linear, not FP4Linear"):
+        FP4Linear.from_checkpoint(tmp_path / "mo", "m")
+    skeleton = torch.nn.ModuleDict({"m": torch.nn.Linear(100, 48)})
+    load_quantized_(skeleton, tmp_path / "mo")
+    assert isinstance(skeleton["m"], NVFP4Linear)
+    rows, totals = cli.inspect_checkpoint(tmp_path / "mo")
+    assert (rows[0].format, rows[0].block, rows[0].status, totals["invalid"]) == ("nvfp4", (1, 16), "ok", 0)
+
+
+def test_modelopt_nvfp4_errors(tmp_path):
+    from torch_bq.nn import NVFP4Linear
+
+    t = _modelopt_dir(tmp_path / "a", config=False)
+    (tmp_path / "a" / "config.json").write_text(json.dumps({"quantization_config": {"quant_algo": "NVFP4", "group_size": 32}}))
+    with pytest.raises(CheckpointError, match="NVFP4 uses 1x16 blocks, the config says 32"):
+        NVFP4Linear.from_checkpoint(tmp_path / "a", "m")
+    bad = dict(t)
+    bad["m.weight_scale_2"] = torch.tensor(float("inf"))
+    with pytest.raises(CheckpointError, match="weight_scale_2"):
+        NVFP4Linear.from_checkpoint(bad, "m")
+    bad["m.weight_scale_2"] = torch.tensor(3e38)
+    with pytest.raises(CheckpointError, match="m.weight_scale_2: found scale 3e\\+38"):
+        NVFP4Linear.from_checkpoint(bad, "m")
+    bad = dict(t)
+    bad["m.weight_scale"] = t["m.weight_scale"][:, :3]
+    with pytest.raises(CheckpointError, match=r"m.weight_scale: expected shape \[48, 7\]"):
+        NVFP4Linear.from_checkpoint(bad, "m")
+
+
+def test_convert_to_nvfp4_round_trips(tmp_path):
+    from torch_bq.nn import NVFP4Linear
+
+    w = _weight(40, 99)
+    save_file({"p.weight": w}, tmp_path / "src.safetensors")
+    assert cli.convert_main([str(tmp_path / "src.safetensors"), str(tmp_path / "out"), "--format", "nvfp4", "-q",
+                             "--exclude", ""]) == 0
+    m = NVFP4Linear.from_checkpoint(tmp_path / "out", "p")
+    data, scale, scale_2 = formats.quantize_nvfp4(w)
+    assert m.in_features == 99 and torch.equal(m.weight, data) and torch.equal(_u8(m.weight_scale), _u8(scale))
+    assert torch.equal(m.weight_scale_2, scale_2.reshape(())) and detect_linear(tmp_path / "out", "p").source == "record"

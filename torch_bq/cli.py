@@ -213,7 +213,8 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("input", help="a .safetensors file or a checkpoint directory")
     p.add_argument("output", help="output directory")
-    p.add_argument("--format", required=True, choices=("fp8", "fp4"))
+    p.add_argument("--format", required=True, choices=("fp8", "fp4", "nvfp4"),
+                   help="fp8 (any --block), fp4 (OCP MXFP4) or nvfp4 (NVIDIA, ModelOpt layout)")
     p.add_argument("--block", type=_parse_block, default=(32, 32), help="fp8 scale block BNxBK (default 32x32)")
     p.add_argument("--scale-dtype", choices=("e8m0", "f32"), default="e8m0", help="fp8 scale storage (default e8m0)")
     p.add_argument("--rounding", choices=("ceil", "floor"), default="ceil", help="fp4 scale rule (default ceil)")

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..checkpoint import INDEX_NAME, LayerRecord, encode_records, quantization_config
 from ._staging import StagedDirectory
-from .linear import BF16Linear, FP4Linear, FP8Linear
+from .linear import BF16Linear, FP4Linear, FP8Linear, NVFP4Linear
 
 __all__ = ["save_quantized", "layer_records", "DEFAULT_MAX_SHARD_BYTES"]
 
@@ -38,6 +38,8 @@ def layer_records(model: nn.Module) -> dict[str, LayerRecord]:
             rec = LayerRecord("fp8", tuple(m.block), m.weight_scale.dtype, m.in_features, m.out_features)
         elif isinstance(m, FP4Linear):
             rec = LayerRecord("fp4", (1, 32), torch.float8_e8m0fnu, m.in_features, m.out_features)
+        elif isinstance(m, NVFP4Linear):
+            rec = LayerRecord("nvfp4", (1, 16), torch.float8_e4m3fn, m.in_features, m.out_features)
         elif isinstance(m, BF16Linear):
             fmt = "fp32w" if m.weight.dtype == torch.float32 else "bf16"
             rec = LayerRecord(fmt, None, None, m.in_features, m.out_features)
@@ -140,7 +142,7 @@ def save_quantized(
 
 def _model_config(records: dict[str, LayerRecord]) -> dict:
     """torch_bq's ``quantization_config``: the most common quantized format as default, the others listed."""
-    quantized = [r for r in records.values() if r.format in ("fp8", "fp4")] or list(records.values())
+    quantized = [r for r in records.values() if r.format in ("fp8", "fp4", "nvfp4")] or list(records.values())
     counts: dict[tuple, int] = {}
     for r in quantized:
         counts[(r.format, r.block, r.scale_dtype)] = counts.get((r.format, r.block, r.scale_dtype), 0) + 1
