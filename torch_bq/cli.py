@@ -70,12 +70,12 @@ def inspect_checkpoint(source, *, progress: Optional[TextIO] = None) -> tuple[li
         quantized_prefixes,
         read_linear,
     )
-    from .nn.convert import _Progress
+    from .nn.convert import Progress
 
     rows: list[InspectRow] = []
     with open_checkpoint(source) as reader:
         prefixes = quantized_prefixes(reader.keys())
-        bar = _Progress(progress, max(1, len(prefixes)), "inspect")
+        bar = Progress(progress, max(1, len(prefixes)), "inspect")
         used: set[str] = set()
         for prefix in prefixes:
             try:

@@ -269,7 +269,7 @@ def _quantized_layout(reader: CheckpointReader, prefix: str):
 # =========================================================================== #
 
 
-class _Progress:
+class Progress:
     """Progress on ``stream``: one line rewritten in place on a terminal, else one line per percent."""
 
     def __init__(self, stream: Optional[TextIO], total: int, what: str) -> None:
@@ -288,6 +288,9 @@ class _Progress:
         elif self.done == self.total or self.done * 100 // self.total != (self.done - 1) * 100 // self.total:
             self.stream.write(line + "\n")  # a log file gets at most ~100 lines
         self.stream.flush()
+
+
+_Progress = Progress  # the old private name
 
 
 def _compile_regex(pattern: Optional[str], name: str) -> Optional[re.Pattern]:
@@ -452,7 +455,7 @@ def convert_checkpoint(
             [[k for k in reader.keys() if reader.file_of(k) == f] for f in files] if files else [reader.keys()]
         )
         extras = [p for p in _source_paths(reader) if p.suffix != ".safetensors" and p.name != INDEX_NAME]
-        bar = _Progress(progress, len(reader), "convert")
+        bar = Progress(progress, len(reader), "convert")
         weight_map: dict[str, str] = {}
         with StagedDirectory(dst) as stage:
             for i, names in enumerate(groups):
