@@ -273,3 +273,28 @@ def test_convert_to_nvfp4_round_trips(tmp_path):
     data, scale, scale_2 = formats.quantize_nvfp4(w)
     assert m.in_features == 99 and torch.equal(m.weight, data) and torch.equal(_u8(m.weight_scale), _u8(scale))
     assert torch.equal(m.weight_scale_2, scale_2.reshape(())) and detect_linear(tmp_path / "out", "p").source == "record"
+
+
+def test_one_nan_scan_and_one_class_check_per_load(tmp_path, monkeypatch):
+    import torch_bq.checkpoint.layouts as layouts
+    import torch_bq.nn.linear as linear
+
+    calls = {"scan": 0, "check": 0}
+    real_scan, real_check = layouts.scan_nan_codes, linear.check_module_class
+
+    def scan(*a, **k):
+        calls["scan"] += 1
+        return real_scan(*a, **k)
+
+    def check(*a, **k):
+        calls["check"] += 1
+        return real_check(*a, **k)
+
+    monkeypatch.setattr(layouts, "scan_nan_codes", scan)
+    monkeypatch.setattr(linear, "scan_nan_codes", scan)
+    monkeypatch.setattr(linear, "check_module_class", check)
+    model = torch.nn.ModuleDict({"p": FP8Linear.from_linear(torch.nn.Linear(64, 64))})
+    save_quantized(model, tmp_path / "q")
+    calls.update(scan=0, check=0)
+    FP8Linear.from_checkpoint(tmp_path / "q", "p")
+    assert calls == {"scan": 1, "check": 1}

@@ -39,7 +39,7 @@ import torch
 from .. import formats
 from .errors import AmbiguousLayoutError, CheckpointError, MissingTensorError
 from .reader import CheckpointReader, Source, open_checkpoint
-from .record import LayerRecord, check_block_value, config_record, decode_records, family_block
+from .record import LayerRecord, check_block_value, config_record, family_block
 from .scan import check_scale_range, scan_nan_codes
 
 __all__ = [
@@ -167,8 +167,7 @@ def record_of(reader: CheckpointReader, prefix: str, weight_name: str) -> Option
     block there: int64 ``[bn, bk]``); config.json's torch_bq ``quantization_config``.
     """
     if weight_name in reader:
-        where = reader.file_of(weight_name) or reader.description
-        records = decode_records(reader.metadata(weight_name), str(where))
+        records = reader.records(weight_name)
         if prefix in records:
             return records[prefix]
     extra = f"{prefix}._extra_state" if prefix else "_extra_state"

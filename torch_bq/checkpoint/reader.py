@@ -23,6 +23,7 @@ from typing import Iterator, Mapping, Optional, Union
 import torch
 
 from .errors import CheckpointError, IncompleteCheckpointError, MissingTensorError, UnsafePathError
+from .record import LayerRecord, decode_records
 from .safetensors_file import SafetensorsFile, open_regular
 
 __all__ = ["CheckpointReader", "open_checkpoint", "INDEX_NAME", "Source", "SHARD_PATTERN"]
@@ -76,6 +77,7 @@ class CheckpointReader:
 
     def __init__(self, source: Union[str, os.PathLike, Mapping[str, torch.Tensor]]) -> None:
         self._files: dict[str, SafetensorsFile] = {}
+        self._records: dict[str, dict[str, LayerRecord]] = {}  # file -> its decoded records
         self._config: Optional[dict] = None
         self._tensors: Optional[Mapping[str, torch.Tensor]] = None
         self._where: dict[str, str] = {}  # tensor name -> file
@@ -255,6 +257,17 @@ class CheckpointReader:
         if self._tensors is not None:
             return {}
         return self._entry(name)[0].metadata
+
+    def records(self, name: str) -> dict[str, "LayerRecord"]:
+        """torch_bq's layer records in the file holding tensor ``name`` (decoded once per file; ``{}`` for a mapping)."""
+        self._require(name)
+        if self._tensors is not None:
+            return {}
+        f = self._entry(name)[0]
+        key = str(f.path)
+        if key not in self._records:
+            self._records[key] = decode_records(f.metadata, key)
+        return self._records[key]
 
     @property
     def config(self) -> dict:
