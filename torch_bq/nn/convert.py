@@ -441,7 +441,7 @@ def convert_checkpoint(
     """
     if format not in ("fp8", "fp4", "nvfp4"):
         raise ValueError(f"format: expected 'fp8', 'fp4' or 'nvfp4', got {format!r}")
-    block = formats._check_block(block)
+    block = formats.check_block(block)
     out_block = tuple(block) if format == "fp8" else tuple(formats.get_format(format).default_block)
     out_scale_dtype = scale_dtype if format == "fp8" else formats.get_format(format).scales[0].dtype
     include_re, exclude_re = _compile_regex(include, "include"), _compile_regex(exclude or None, "exclude")
