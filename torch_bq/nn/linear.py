@@ -1,6 +1,6 @@
 """Drop-in linear modules on block-quantized weights: ``FP8Linear``, ``FP4Linear``, ``BF16Linear``.
 
-Each module holds its weight exactly as the formats of SPEC.md §1 store it and
+Each module holds its weight exactly as the formats of docs/contract.md §1 store it and
 calls one ``torch_bq::`` op in ``forward``; nothing is dequantized up front.
 
 State (names as in ``state_dict``):
@@ -172,7 +172,7 @@ def _act_repr(act_quant: bool, act_peak: float) -> str:
 
 
 class FP8Linear(_QuantizedLinear):
-    """``nn.Linear`` with a block-scaled fp8 e4m3 weight (SPEC.md §1, §4).
+    """``nn.Linear`` with a block-scaled fp8 e4m3 weight (docs/contract.md §1, §4).
 
     ``forward(x)``: ``x`` ``[..., K]`` any float dtype -> ``[..., N]`` of ``x.dtype``,
     computed by :func:`torch_bq.ops.fp8_linear` (activations round-tripped through
@@ -308,7 +308,7 @@ class FP8Linear(_QuantizedLinear):
         act_quant: bool = True,
         act_peak: float = formats.DEFAULT_ACT_PEAK,
     ) -> "FP8Linear":
-        """Quantize an ``nn.Linear`` (SPEC.md §2 fp8 quantizer); the bias is kept as is."""
+        """Quantize an ``nn.Linear`` (docs/contract.md §2 fp8 quantizer); the bias is kept as is."""
         _check_linear(linear)
         data, scale = formats.quantize_fp8(linear.weight.detach(), block, scale_dtype)
         bias = None if linear.bias is None else linear.bias.detach().clone()
@@ -475,7 +475,7 @@ class FP4Linear(_QuantizedLinear):
         act_quant: bool = True,
         act_peak: float = formats.DEFAULT_ACT_PEAK,
     ) -> "FP4Linear":
-        """Quantize an ``nn.Linear`` (SPEC.md §2 MXFP4 quantizer, ``rounding`` "ceil" or "floor")."""
+        """Quantize an ``nn.Linear`` (docs/contract.md §2 MXFP4 quantizer, ``rounding`` "ceil" or "floor")."""
         _check_linear(linear)
         packed, scale = formats.quantize_fp4(linear.weight.detach(), rounding)
         bias = None if linear.bias is None else linear.bias.detach().clone()
@@ -533,7 +533,7 @@ class BF16Linear(_QuantizedLinear):
     """``nn.Linear`` on a bf16 weight through :func:`torch_bq.ops.bf16_linear`.
 
     A float32 weight is kept as float32 and narrowed to bf16 inside
-    :func:`torch_bq.ops.fp32w_linear` (SPEC.md §1 ``fp32w``). Activations are
+    :func:`torch_bq.ops.fp32w_linear` (docs/contract.md §1 ``fp32w``). Activations are
     rounded to bf16, never quantized.
 
     Args:
