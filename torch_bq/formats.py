@@ -140,7 +140,8 @@ def dequantize_fp8(
         scale: ``[ceil(N/bn), ceil(K/bk)]`` e8m0 codes (``float8_e8m0fnu``/``uint8``)
             or ``float32`` multipliers (DeepSeek-V3 ``weight_scale_inv``).
         block: ``(bn, bk)``; ``(1, 32)`` is MXFP8.
-        dtype: output dtype. With e8m0 scales every finite value is exact in bf16.
+        dtype: output dtype. ``float32`` holds every value exactly; bf16 too except at
+            extreme scale codes (docs/contract.md §1).
 
     Returns:
         ``[N, K]`` tensor of ``dtype`` with ``e4m3(data[n, k]) * scale[n // bn, k // bk]``
@@ -190,7 +191,8 @@ def dequantize_fp4(
             e2m1 values per byte, element ``2j`` in the low nibble.
         scale: ``[N, ceil(K/32)]`` e8m0 codes (``float8_e8m0fnu``/``uint8``).
         in_features: ``K``; defaults to ``2 * packed.shape[1]``. Must be that or one less.
-        dtype: output dtype; every finite value is exact in bf16.
+        dtype: output dtype. ``float32`` holds every value exactly; bf16 too except at
+            extreme scale codes (docs/contract.md §1).
 
     Returns:
         ``[N, K]`` tensor of ``dtype`` with ``LUT[nibble] * 2**(scale - 127)``.

@@ -329,7 +329,8 @@ class FP8Linear(_QuantizedLinear):
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> nn.Linear:
         """An ``nn.Linear`` of ``dtype`` holding the decoded weight and the bias.
 
-        With e8m0 scales the decoded weight is exact in bf16; float32 scales that are
+        With e8m0 scales the decoded weight is exact in bf16 except at extreme scale codes
+        (docs/contract.md §1); float32 scales that are
         not powers of two (DeepSeek-V3's ``weight_scale_inv``) give products that bf16
         rounds, so ask for ``dtype=torch.float32`` to get the values the op uses.
         It computes ``F.linear`` without activation quantization, so it matches this
@@ -495,7 +496,9 @@ class FP4Linear(_QuantizedLinear):
         return load_linear(cls, source, prefix, device=device, **options)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> nn.Linear:
-        """An ``nn.Linear`` of ``dtype`` holding the decoded weight (exact in bf16) and the bias.
+        """An ``nn.Linear`` of ``dtype`` holding the decoded weight and the bias.
+
+        The weight is exact in bf16 except at extreme scale codes (docs/contract.md §1).
 
         It computes ``F.linear`` without activation quantization, so it equals this
         module exactly only when ``act_quant=False``.
