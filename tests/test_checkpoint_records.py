@@ -298,3 +298,25 @@ def test_one_nan_scan_and_one_class_check_per_load(tmp_path, monkeypatch):
     calls.update(scan=0, check=0)
     FP8Linear.from_checkpoint(tmp_path / "q", "p")
     assert calls == {"scan": 1, "check": 1}
+
+
+def test_modelopt_per_tensor_fp8_loads_bit_exactly(tmp_path):
+    # ModelOpt FP8: e4m3 data, ONE float32 weight_scale, input_scale (static, ignored)
+    w = _weight(48, 100)
+    scale = (w.abs().max() / 448).reshape(())
+    data = (w / scale).to(torch.float8_e4m3fn)
+    (tmp_path / "mo").mkdir()
+    save_file({"m.weight": data, "m.weight_scale": scale, "m.input_scale": torch.tensor(0.25)},
+              tmp_path / "mo" / "model.safetensors")
+    (tmp_path / "mo" / "config.json").write_text(json.dumps(
+        {"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8"}}))
+    layout = detect_linear(tmp_path / "mo", "m")
+    assert (layout.layout, layout.format, layout.block) == ("modelopt", "fp8", (48, 100))
+    m = FP8Linear.from_checkpoint(tmp_path / "mo", "m")
+    assert torch.equal(m.dequantize(torch.float32).weight, data.float() * scale)
+    skeleton = torch.nn.ModuleDict({"m": torch.nn.Linear(100, 48, bias=False)})
+    load_quantized_(skeleton, tmp_path / "mo")
+    x = torch.randn(2, 100)
+    assert isinstance(skeleton["m"], FP8Linear) and torch.equal(skeleton["m"](x), m(x))
+    with pytest.raises(CheckpointError, match="a scalar scale is ModelOpt's per-tensor FP8 and needs F8_E4M3 data"):
+        FP8Linear.from_checkpoint({"m.weight": data.view(torch.uint8), "m.weight_scale": scale}, "m")

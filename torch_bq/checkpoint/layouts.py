@@ -348,6 +348,8 @@ def detect_linear(
                                 "layout")
         scale_name = scales[0]
         layout = LAYOUT_OF_SUFFIX[scale_name[len(prefix):]]
+        if reader.shape(scale_name) in ((), (1,)) and len(reader.shape(weight_name)) == 2:
+            return _detect_per_tensor_fp8(reader, prefix, scale_name, bias_name, block, format)
         shape, e = _stack_dims(reader, weight_name, 2, expert)
         grid, e2 = _stack_dims(reader, scale_name, 2, expert)
         if e != e2:
@@ -403,6 +405,34 @@ def detect_linear(
         _check_bias(reader, bias_name, n, expert)
         return LinearLayout(prefix, layout, "fp4", weight_name, scale_name, bias_name, n, k, (1, 32), expert, e,
                             fmt_source)
+
+
+def _detect_per_tensor_fp8(reader: CheckpointReader, prefix: str, scale_name: str, bias_name: Optional[str],
+                           block, format: Optional[str]) -> LinearLayout:
+    """ModelOpt's FP8: F8_E4M3 ``weight`` with ONE float32 ``weight_scale`` (``[]`` or ``[1]``), multiplied.
+
+    One scale for the whole tensor is the fp8 format with the block ``(N, K)``: its
+    scale grid is ``[1, 1]``. ``input_scale`` (a static activation scale) is checked
+    and ignored, as for NVFP4.
+    """
+    weight_name = f"{prefix}.weight"
+    wdtype, sdtype = reader.dtype(weight_name), reader.dtype(scale_name)
+    if wdtype != torch.float8_e4m3fn or sdtype != torch.float32:
+        raise CheckpointError(
+            f"{scale_name}: a scalar scale is ModelOpt's per-tensor FP8 and needs F8_E4M3 data with a float32 "
+            f"scale, got {wdtype} data and a {sdtype} scale"
+        )
+    if format not in (None, "fp8"):
+        raise CheckpointError(f"{weight_name}: holds fp8 data (per-tensor scale), but {format} was asked for")
+    n, k = reader.shape(weight_name)
+    if block is not None and check_block_value(block, "block") != (n, k):
+        raise CheckpointError(f"{scale_name}: one scale covers the whole [{n}, {k}] weight; block={tuple(block)} does not")
+    input_scale = f"{prefix}.input_scale"
+    if input_scale in reader and (reader.dtype(input_scale) != torch.float32 or reader.shape(input_scale) not in ((), (1,))):
+        raise CheckpointError(f"{input_scale}: expected a float32 scalar, got {reader.dtype(input_scale)} "
+                              f"{list(reader.shape(input_scale))}")
+    _check_bias(reader, bias_name, n, None)
+    return LinearLayout(prefix, "modelopt", "fp8", weight_name, scale_name, bias_name, n, k, (n, k), None, None, "layout")
 
 
 def _modelopt_group_size(reader: CheckpointReader) -> Optional[tuple[int, str]]:
@@ -636,7 +666,10 @@ def read_linear(
             return reader.get_slice(name)[((layout.expert,) if stacked else ()) + tuple(index)]
 
         row_sl = slice(n0, n1)
-        if layout.format == "fp8":
+        if layout.format == "fp8" and reader.shape(layout.scale_name) in ((), (1,)):  # ModelOpt per-tensor
+            weight = read(layout.weight_name, 2, (row_sl, slice(k0, k1)))
+            scale = reader.get(layout.scale_name).reshape(1, 1)
+        elif layout.format == "fp8":
             weight = read(layout.weight_name, 2, (row_sl, slice(k0, k1)))
             scale = read(layout.scale_name, 2, (slice(n0 // bn, -(-n1 // bn)), slice(k0 // bk, -(-k1 // bk))))
         elif layout.format == "nvfp4":
