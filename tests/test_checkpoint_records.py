@@ -44,7 +44,8 @@ def test_fp8_round_trip_through_convert_is_bit_exact(tmp_path, block, scale_dtyp
     assert torch.equal(_u8(m.weight), _u8(data)) and torch.equal(_u8(m.weight_scale), _u8(scale))
     assert torch.equal(m.dequantize(torch.float32).weight, formats.dequantize_fp8(data, scale, block, torch.float32))
     rows, _ = cli.inspect_checkpoint(tmp_path / "out")
-    assert (rows[0].block, rows[0].source, rows[0].status) == (block, "record", "ok")
+    scale = "e8m0" if scale_dtype == torch.float8_e8m0fnu else "f32"
+    assert (rows[0].block, rows[0].scale, rows[0].source, rows[0].status) == (block, scale, "record", "ok")
 
 
 @pytest.mark.parametrize("block, scale_dtype", FP8_CASES)
