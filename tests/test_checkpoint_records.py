@@ -321,3 +321,29 @@ def test_modelopt_per_tensor_fp8_loads_bit_exactly(tmp_path):
     assert isinstance(skeleton["m"], FP8Linear) and torch.equal(skeleton["m"](x), m(x))
     with pytest.raises(CheckpointError, match="a scalar scale is ModelOpt's per-tensor FP8 and needs F8_E4M3 data"):
         FP8Linear.from_checkpoint({"m.weight": data.view(torch.uint8), "m.weight_scale": scale}, "m")
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 64)
+        self.proj = torch.nn.Linear(64, 64)
+        self.head = torch.nn.Linear(64, 50, bias=False)
+        self.head.weight = self.embed.weight  # tied, as lm_head = embed_tokens
+
+
+def test_tied_weights_are_stored_once_and_read_back_under_both_names(tmp_path):
+    from torch_bq.checkpoint import CheckpointReader
+
+    torch.manual_seed(0)
+    model = _Tied()
+    quantize_(model, "fp8", filter_fn=lambda m, name: name == "proj")
+    summary = save_quantized(model, tmp_path / "q")
+    assert summary["tied"] == {"head.weight": "embed.weight"}
+    reader = CheckpointReader(tmp_path / "q")
+    assert "head.weight" in reader and "head.weight" not in reader.keys()
+    assert torch.equal(reader.get("head.weight"), model.embed.weight.detach())
+    skeleton = _Tied()
+    load_quantized_(skeleton, tmp_path / "q")  # strict: every model tensor is found
+    x = torch.randint(0, 50, (3,))
+    assert torch.equal(skeleton.head(skeleton.proj(skeleton.embed(x))), model.head(model.proj(model.embed(x))))

@@ -124,14 +124,15 @@ def save_quantized(
             file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
             held = {p: r for p, r in records.items() if f"{p}.weight" in names}
             meta = {"format": "pt", **encode_records(held)}
-            if aliases and i == 0:
-                meta["torch_bq_tied"] = json.dumps(aliases, sort_keys=True)
             save_file({n: tensors[n] for n in names}, stage.path / file, metadata=meta)
             weight_map.update({n: file for n in names})
             files.append(file)
         total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index_meta = {"total_size": total}
+        if aliases:  # read back by CheckpointReader: a tied name reads the stored tensor
+            index_meta["torch_bq_tied"] = dict(sorted(aliases.items()))
         (stage.path / INDEX_NAME).write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+            {"metadata": index_meta, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
         config = getattr(model, "config", None)
         if config is not None and callable(getattr(config, "to_dict", None)) and records:
             (stage.path / "config.json").write_text(json.dumps(
