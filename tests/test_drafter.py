@@ -66,7 +66,7 @@ def test_config_defaults_are_the_full_size_drafter():
         (dict(rows_per_request=True), ValueError, "rows_per_request"),
         (dict(rms_norm_eps=0.0), ValueError, "rms_norm_eps: expected a positive number"),
         (dict(weight_format="fp4"), ValueError, r"weight_format: expected one of \['bf16', 'fp8', 'mxfp8'\], got 'fp4'"),
-        (dict(act_peak=500.0), ValueError, "act_peak: expected 0 < act_peak <= 448"),
+        (dict(act_peak=500.0), ValueError, "act_peak: expected 4 <= act_peak <= 448"),
         (dict(causal=1), TypeError, "causal: expected a bool"),
     ],
 )

@@ -207,7 +207,7 @@ def test_buffers_not_parameters():
 
 def test_constructor_errors():
     with pytest.raises(ValueError, match="in_features"):
-        FP8Linear(0, 4)
+        FP8Linear(-1, 4)  # 0 is allowed, as for nn.Linear
     with pytest.raises(TypeError, match="scale_dtype"):
         FP8Linear(32, 4, scale_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="act_peak"):

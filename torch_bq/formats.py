@@ -16,12 +16,15 @@ included, despite its name).
 
 from __future__ import annotations
 
+import numbers
+import operator
 from typing import Sequence
 
 import torch
 
 __all__ = [
     "FP8_MAX",
+    "MIN_ACT_PEAK",
     "FP4_MAX",
     "FP4_LUT",
     "E8M0_NAN",
@@ -367,10 +370,25 @@ def qdq_fp8(x: torch.Tensor, peak: float = DEFAULT_ACT_PEAK) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 
 
+#: the largest block length: the ops pass blocks as int64 and the kernels compute
+#: ``n + bn - 1`` in 64 bits, so lengths stay far below 2**63.
+MAX_BLOCK = 2**31 - 1
+
+
 def _check_block(block: Sequence[int]) -> tuple[int, int]:
-    if len(block) != 2 or any(int(b) < 1 for b in block):
-        raise ValueError(f"block: expected two positive ints (bn, bk), got {tuple(block)}")
-    return int(block[0]), int(block[1])
+    try:
+        bn, bk = block
+    except (TypeError, ValueError):
+        raise ValueError(f"block: expected two positive ints (bn, bk), got {block!r}") from None
+    out = []
+    for b in (bn, bk):
+        if isinstance(b, bool) or not hasattr(type(b), "__index__"):  # 1.5 must not become 1
+            raise TypeError(f"block: expected two positive ints (bn, bk), got {block!r} ({type(b).__name__})")
+        b = operator.index(b)
+        if not 1 <= b <= MAX_BLOCK:
+            raise ValueError(f"block: expected two positive ints (bn, bk) of at most {MAX_BLOCK}, got {tuple(block)}")
+        out.append(b)
+    return out[0], out[1]
 
 
 def _check_float_matrix(w: torch.Tensor, name: str) -> None:
@@ -430,15 +448,27 @@ def check_fp4_weight(
         )
 
 
+#: The smallest qdq peak: with ``peak >= 4`` every finite bf16 block (amax below 2**128)
+#: gets a scale ``s <= 2**126`` whose reciprocal, which qdq multiplies by, is a normal
+#: float32 (and an e8m0 code). A smaller peak turns large activations into zeros or
+#: NaN, and a tiny one (1e-30) flushes every ``q`` below e4m3's smallest subnormal.
+MIN_ACT_PEAK = 4.0
+
+
 def check_peak(peak: float, name: str = "act_peak") -> None:
-    """Raise ``ValueError`` unless ``0 < peak <= 448`` (the qdq peak of SPEC.md §3)."""
-    if not 0.0 < peak <= FP8_MAX:
-        short = name.rsplit(".", 1)[-1]
-        raise ValueError(f"{name}: expected 0 < {short} <= {FP8_MAX}, got {peak}")
+    """Raise unless ``4 <= peak <= 448`` (the qdq peak of SPEC.md §3; see :data:`MIN_ACT_PEAK`)."""
+    short = name.rsplit(".", 1)[-1]
+    if isinstance(peak, bool) or not isinstance(peak, numbers.Real):
+        raise TypeError(f"{name}: expected a float, got {type(peak).__name__}")
+    if not MIN_ACT_PEAK <= peak <= FP8_MAX:
+        raise ValueError(
+            f"{name}: expected {MIN_ACT_PEAK:g} <= {short} <= {FP8_MAX:g} (smaller peaks push the block "
+            f"scales out of float32/e8m0 range), got {peak}"
+        )
 
 
 def check_qdq_args(x: torch.Tensor, peak: float) -> None:
-    """Raise on a non-float or 0-d ``x`` or a peak outside ``(0, 448]`` (``qdq_fp8``'s arguments)."""
+    """Raise on a non-float or 0-d ``x`` or a peak outside ``[4, 448]`` (``qdq_fp8``'s arguments)."""
     if not x.dtype.is_floating_point:
         raise TypeError(f"x: expected a floating-point dtype, got {x.dtype}")
     check_peak(peak, "peak")

@@ -62,8 +62,9 @@ def _finish(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _check_features(in_features: int, out_features: int) -> None:
     for name, value in (("in_features", in_features), ("out_features", out_features)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        # 0 is allowed, as for nn.Linear: K = 0 gives the bias (or zeros), N = 0 an empty output
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
 
 
 def _bias_buffer(bias: bool, out_features: int, device, dtype) -> Optional[torch.Tensor]:

@@ -39,7 +39,7 @@ def linear_grad_input(
 ) -> torch.Tensor:
     """``grad [..., N] @ W [N, K] -> [..., K]`` of ``x_dtype``, ``W[n0:n1]`` from ``decode(n0, n1)``."""
     acc_dtype = torch.float64 if torch.float64 in (grad.dtype, x_dtype) else torch.float32
-    g = grad.reshape(-1, n).to(acc_dtype)
+    g = grad.reshape(grad.shape[:-1].numel(), n).to(acc_dtype)
     out = torch.zeros(g.shape[0], k, dtype=acc_dtype, device=grad.device)
     for n0 in range(0, n, slab_rows):
         n1 = min(n, n0 + slab_rows)
@@ -50,7 +50,7 @@ def linear_grad_input(
 def _bias_grad(ctx, grad: torch.Tensor, bias_index: int):
     if not ctx.needs_input_grad[bias_index]:
         return None
-    return grad.reshape(-1, grad.shape[-1]).to(torch.float32).sum(0).to(ctx.bias_dtype)
+    return grad.reshape(grad.shape[:-1].numel(), grad.shape[-1]).to(torch.float32).sum(0).to(ctx.bias_dtype)
 
 
 def _save_common(ctx, x, bias) -> None:
@@ -85,6 +85,7 @@ def fp8_linear_grad_input(
 
 @fp8_linear_grad_input.register_fake
 def _(grad, weight, scale, block, x_dtype):
+    ref.check_devices(grad=grad, weight=weight, weight_scale=scale)
     return _grad_out_like(grad, weight.shape[1], x_dtype)
 
 
@@ -103,6 +104,7 @@ def fp4_linear_grad_input(
 
 @fp4_linear_grad_input.register_fake
 def _(grad, weight, scale, in_features, x_dtype):
+    ref.check_devices(grad=grad, weight=weight, weight_scale=scale)
     return _grad_out_like(grad, in_features, x_dtype)
 
 
@@ -120,6 +122,7 @@ def dense_linear_grad_input(grad: torch.Tensor, weight: torch.Tensor, x_dtype: t
 
 @dense_linear_grad_input.register_fake
 def _(grad, weight, x_dtype):
+    ref.check_devices(grad=grad, weight=weight)
     return _grad_out_like(grad, weight.shape[1], x_dtype)
 
 
