@@ -241,11 +241,9 @@ def _parse_block(text: str) -> tuple[int, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected BNxBK such as 32x32 or 128x128, got {text!r}") from None
     from . import formats
-    from .nn.convert import _check_loadable_block
 
     try:
         block = formats._check_block((bn, bk))
-        _check_loadable_block(block)
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return block
