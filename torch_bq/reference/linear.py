@@ -110,7 +110,7 @@ def decode_fp8_rows(weight: torch.Tensor, scale: torch.Tensor, block: Sequence[i
     """Rows ``n0:n1`` of an fp8 weight decoded to float32; ``n0`` must be a multiple of ``bn``
     (slabs are whole block rows), so the slab's scales start at row ``n0 // bn``."""
     bn, bk = block
-    return formats.dequantize_fp8(weight[n0:n1], scale[n0 // bn : -(-n1 // bn)], (bn, bk), torch.float32)
+    return formats.dequantize_fp8(weight[n0:n1], scale[n0 // bn : formats.cdiv(n1, bn)], (bn, bk), torch.float32)
 
 
 def decode_fp4_rows(weight: torch.Tensor, scale: torch.Tensor, k: int, n0: int, n1: int) -> torch.Tensor:
