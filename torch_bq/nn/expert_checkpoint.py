@@ -172,7 +172,7 @@ def _load_deepseek(reader, cls, prefix: str, *, block, num_experts, projections)
             _cat_optional(weights["gate"].bias, weights["up"].bias, layouts["gate"].prefix),
         )
         down = weights["down"]
-        if fmt == "fp8":
+        if module_block is not None:
             reblocked = formats.join_rows(fmt, [formats.RowPiece(down.weight, down.scale, down.block)],
                                           row_block=module_block[0], col_block=module_block[1],
                                           name=layouts["down"].weight_name)
@@ -183,17 +183,18 @@ def _load_deepseek(reader, cls, prefix: str, *, block, num_experts, projections)
     gate, down = first["gate"], first["down"]
     fused_layout = dataclasses.replace(gate, out_features=2 * gate.out_features)
     sizes = _sizes(prefix, fused_layout, down, num_experts, num_experts)
-    options = {"block": module_block} if fmt == "fp8" else {}
+    options = {} if module_block is None else {"block": module_block}
     return stack, sizes, options
 
 
 def _common_block(fmt: str, gate: LinearLayout, up: LinearLayout, down: LinearLayout) -> Optional[tuple[int, int]]:
-    """The one fp8 block of the module: the finest that holds [w1; w3] and w2 exactly (``None`` for fp4).
+    """The one block of the module: the finest that holds [w1; w3] and w2 exactly (``None`` when the
+    format's block is fixed, as MXFP4's 1x32: plain concatenation is exact then).
 
     Rows: w3 starts at row I of gate_up, so the block must divide I besides every
     projection's own row block; columns: every projection's column block.
     """
-    if fmt != "fp8":
+    if formats.get_format(fmt).block_fixed:
         return None
     rows = math.gcd(gate.block[0], up.block[0], down.block[0], gate.out_features)
     cols = math.gcd(gate.block[1], up.block[1], down.block[1])
