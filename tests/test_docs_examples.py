@@ -34,7 +34,7 @@ def _examples(page: Path):
     return out
 
 
-@pytest.mark.parametrize("page", ["checkpoints.md", "modules.md"])
+@pytest.mark.parametrize("page", ["checkpoints.md", "modules.md", "formats.md"])
 def test_doc_examples_run_and_print_what_they_claim(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "__doc_example__"}

@@ -96,7 +96,7 @@ def test_meta_cache_is_refused():
 
 
 @pytest.mark.parametrize("block, error, match", [
-    ((1.5, 32), TypeError, r"block: expected two positive ints .*float"),
+    ((1.5, 32), TypeError, r"block: expected two positive ints \(bn, bk\), got \(1.5, 32\)"),
     ((32.0, 32), TypeError, "block: expected two positive ints"),
     ((True, 32), TypeError, "block: expected two positive ints"),
     ((2**63, 32), ValueError, "at most 2147483647"),

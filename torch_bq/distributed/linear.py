@@ -227,7 +227,7 @@ class RowParallelLinear(nn.Module):
         p, (m, n) = self.world_size, partial.shape
         if m == 0:  # the same on every rank: nothing to exchange
             return self._finish_rows(partial, out_dtype)
-        per = -(-m // p)
+        per = formats.cdiv(m, p)
         # Row i goes to rank i % P: reorder [per * P, N] so rank r's rows are the r-th block.
         padded = F.pad(partial, (0, 0, 0, per * p - m))
         by_owner = padded.reshape(per, p, n).transpose(0, 1).reshape(p * per, n).contiguous()
@@ -245,7 +245,7 @@ class RowParallelLinear(nn.Module):
         blk = formats.QDQ_BLOCK
         b0 = self.k0 // blk
         mine = block_amax(a, self.k0)
-        amax = torch.zeros(a.shape[0], -(-self.in_features // blk), dtype=torch.float32, device=a.device)
+        amax = torch.zeros(a.shape[0], formats.cdiv(self.in_features, blk), dtype=torch.float32, device=a.device)
         amax[:, b0:b0 + mine.shape[1]] = mine
         if a.shape[0]:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)

@@ -1,6 +1,6 @@
 """Drop-in modules on block-quantized weights and the checkpoint loader.
 
-* :class:`FP8Linear`, :class:`FP4Linear`, :class:`BF16Linear` — ``nn.Linear`` replacements
+* :class:`FP8Linear`, :class:`FP4Linear`, :class:`NVFP4Linear`, :class:`BF16Linear` — ``nn.Linear`` replacements
   (:mod:`torch_bq.nn.linear`);
 * :class:`CheckpointReader`, :func:`resolve_linear` and friends — the one loader for every
   supported checkpoint layout (:mod:`torch_bq.nn.checkpoint`);
@@ -27,12 +27,13 @@ from .convert import LoadReport, QuantizeReport, convert_checkpoint, load_quanti
 from .drafter import Drafter, DrafterLayer
 from .drafter_config import DrafterConfig
 from .experts import FP4Experts, FP8Experts
-from .linear import BF16Linear, FP4Linear, FP8Linear
+from .linear import BF16Linear, FP4Linear, FP8Linear, NVFP4Linear
 from .norm import GemmaRMSNorm
 
 __all__ = [
     "FP8Linear",
     "FP4Linear",
+    "NVFP4Linear",
     "BF16Linear",
     "FP4Experts",
     "FP8Experts",

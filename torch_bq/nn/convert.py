@@ -56,7 +56,9 @@ DEFAULT_EXCLUDE = r"(embed|lm_head|norm|router|\.gate\.weight$)"
 
 
 def _state_bytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+    # Tensors held, not state_dict entries: an FP8Linear's recorded block (_extra_state) is not weight bytes.
+    held = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in held)
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -194,7 +194,7 @@ def fp8_grouped_linear(
     offsets: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
     *,
-    block: Sequence[int] = (32, 32),
+    block: Sequence[int] = formats.FP8.default_block,
     act_quant: bool = True,
     act_peak: float = formats.DEFAULT_ACT_PEAK,
     out_dtype: torch.dtype = torch.bfloat16,
