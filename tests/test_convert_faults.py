@@ -308,6 +308,14 @@ def test_invalid_regex(tmp_path, src, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_destination_symlink_to_a_directory(tmp_path, src, previous):
+    link = tmp_path / "current"
+    link.symlink_to(previous)
+    convert_checkpoint(src, link, "fp8", overwrite=True, progress=None)
+    assert link.is_symlink() and FP8Linear.from_checkpoint(link, "layers.0.proj").block == (32, 32)
+    assert _leftovers(tmp_path) == []
+
+
 def test_overwrite_replaces_as_a_whole(tmp_path, src, previous, monkeypatch):
     convert_checkpoint(src, previous, "fp8", overwrite=True, progress=None)
     assert not (previous / "notes.txt").exists()

@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from torch_bq import formats, ops
-from torch_bq.nn import BF16Linear, FP4Linear, FP8Linear
+from torch_bq.nn import BF16Linear, FP4Linear, FP8Linear, NVFP4Linear
 from torch_bq.ops import _backend
 from torch_bq.reference import linear as ref
 from torch_bq.testing import assert_linear_close
@@ -45,12 +45,15 @@ def _linear_calls(device_of):
     x = torch.randn(3, 64)
     w8, s8 = _fp8()
     w4, s4 = _fp4()
+    wn, sn, sn2 = formats.quantize_nvfp4(torch.randn(16, 64))
     wb = torch.randn(16, 64)
     bias = torch.randn(16)
     off = torch.tensor([1, 3], dtype=torch.int32)
     return {
         "fp8_linear": lambda: ops.fp8_linear(d("x", x), d("weight", w8), d("scale", s8), d("bias", bias)),
         "fp4_linear": lambda: ops.fp4_linear(d("x", x), d("weight", w4), d("scale", s4), d("bias", bias)),
+        "nvfp4_linear": lambda: ops.nvfp4_linear(d("x", x), d("weight", wn), d("scale", sn), d("scale_2", sn2),
+                                                 d("bias", bias)),
         "bf16_linear": lambda: ops.bf16_linear(d("x", x), d("weight", wb.bfloat16()), d("bias", bias)),
         "fp32w_linear": lambda: ops.fp32w_linear(d("x", x), d("weight", wb), d("bias", bias)),
         "fp8_grouped_linear": lambda: ops.fp8_grouped_linear(
@@ -74,7 +77,7 @@ def test_meta_weight_with_real_input_is_refused(op, impl):
     assert _linear_calls(lambda name: "meta")[op]().device.type == "meta"
 
 
-@pytest.mark.parametrize("cls", [FP8Linear, FP4Linear, BF16Linear])
+@pytest.mark.parametrize("cls", [FP8Linear, FP4Linear, NVFP4Linear, BF16Linear])
 def test_module_still_on_meta_is_refused(cls):
     # Before: returned uninitialised memory (values like 1e34).
     with torch.device("meta"):
@@ -124,6 +127,7 @@ def _linear_k0(bias):
             act_quant=False),
         "fp4_linear": lambda: ops.fp4_linear(x, torch.zeros(5, 0, dtype=torch.uint8), torch.zeros(5, 0, dtype=torch.uint8),
                                              bias),
+        "nvfp4_linear": lambda: ops.nvfp4_linear(x, *formats.quantize_nvfp4(torch.zeros(5, 0)), bias),
         "bf16_linear": lambda: ops.bf16_linear(x, torch.zeros(5, 0, dtype=torch.bfloat16), bias),
         "fp32w_linear": lambda: ops.fp32w_linear(x, torch.zeros(5, 0), bias),
         "fp8_grouped_linear": lambda: ops.fp8_grouped_linear(
@@ -134,6 +138,7 @@ def _linear_k0(bias):
             torch.tensor([3], dtype=torch.int32), None if bias is None else bias[None]),
         "FP8Linear": lambda: _module_k0(FP8Linear, bias)(x),
         "FP4Linear": lambda: _module_k0(FP4Linear, bias)(x),
+        "NVFP4Linear": lambda: _module_k0(NVFP4Linear, bias)(x),
         "BF16Linear": lambda: _module_k0(BF16Linear, bias)(x),
     }
 

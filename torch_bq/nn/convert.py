@@ -462,6 +462,8 @@ def convert_checkpoint(
         _check_loadable_block(block)
     include_re, exclude_re = _compile_regex(include, "include"), _compile_regex(exclude or None, "exclude")
     dst = Path(dst)
+    if dst.is_symlink() and dst.is_dir():
+        dst = dst.resolve()  # replace the directory it names, keeping the link (renaming onto a link replaces the link)
     summary = {"quantized": [], "copied": [], "bytes_in": 0, "bytes_out": 0, "files": []}
     with open_checkpoint(src) as reader:
         _check_destination(reader, dst, overwrite)

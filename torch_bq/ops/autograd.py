@@ -134,6 +134,7 @@ def nvfp4_linear_grad_input(
 
 @nvfp4_linear_grad_input.register_fake
 def _(grad, weight, weight_scale, weight_scale_2, in_features, x_dtype):
+    ref.check_devices(grad=grad, weight=weight, weight_scale=weight_scale, weight_scale_2=weight_scale_2)
     return _grad_out_like(grad, in_features, x_dtype)
 
 

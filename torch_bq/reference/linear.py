@@ -101,7 +101,8 @@ def check_fp4_linear_args(x, weight, scale, bias, act_quant, act_peak, out_dtype
 
 
 def check_nvfp4_linear_args(x, weight, weight_scale, weight_scale_2, bias, act_quant, act_peak, out_dtype) -> None:
-    """Raise on dtype/shape errors in ``nvfp4_linear``'s arguments (K is ``x.shape[-1]``)."""
+    """Raise on dtype/shape/device errors in ``nvfp4_linear``'s arguments (K is ``x.shape[-1]``)."""
+    check_devices(x=x, weight=weight, weight_scale=weight_scale, weight_scale_2=weight_scale_2, bias=bias)
     if x.dim() < 1:
         raise ValueError(f"x: expected shape [..., K], got {list(x.shape)}")
     formats.check_nvfp4_weight(weight, weight_scale, weight_scale_2, x.shape[-1])
@@ -249,6 +250,8 @@ def nvfp4_linear(
     check_nvfp4_linear_args(x, weight, weight_scale, weight_scale_2, bias, act_quant, act_peak, out_dtype)
     k = x.shape[-1]
     n = weight.shape[0]
+    if k == 0:
+        return zero_k_linear(x, n, bias, out_dtype)
 
     def decode(n0: int, n1: int) -> torch.Tensor:
         return decode_nvfp4_rows(weight, weight_scale, weight_scale_2, k, n0, n1)
