@@ -399,3 +399,12 @@ def test_killed_at_any_step_leaves_old_or_new(tmp_path, src, existing):
     assert all(name.startswith(".out" + TMP_MARK) for name in _leftovers(tmp_path))
     assert cli.convert_main([*args]) == 0 and _tree(dst) == expected
     assert cli.inspect_main([str(dst), "-q"]) == 0
+
+
+def test_error_on_a_terminal_clears_the_progress_line(tmp_path, monkeypatch, capsys):
+    _source(tmp_path / "bad", nan_in="layers.3.proj.weight")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert cli.convert_main([str(tmp_path / "bad"), str(tmp_path / "out"), "--format", "fp8"]) == 2
+    err = capsys.readouterr().err
+    # the progress line is rewritten in place; the error replaces it instead of running on after it
+    assert "\r\x1b[Kerror: layers.3.proj.weight: w: expected finite values" in err

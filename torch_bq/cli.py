@@ -71,6 +71,12 @@ EXIT_CODES = {
 _EPILOG = "exit status: " + "; ".join(f"{code} {what}" for code, what in EXIT_CODES.items())
 
 
+def _error(message: str) -> None:
+    # On a terminal the progress line has no newline yet: clear it rather than append to it.
+    clear = "\r\x1b[K" if getattr(sys.stderr, "isatty", lambda: False)() else ""
+    print(f"{clear}error: {message}", file=sys.stderr)
+
+
 def _guarded(run):
     """Turn the errors a command can meet into one line on stderr and a documented exit status."""
 
@@ -81,14 +87,14 @@ def _guarded(run):
         try:
             return run(args, *rest)
         except KeyboardInterrupt:
-            print(f"error: interrupted{left}", file=sys.stderr)
+            _error(f"interrupted{left}")
             return EXIT_INTERRUPTED
         except (CheckpointError, ValueError, TypeError, FileExistsError, NotADirectoryError) as e:
-            print(f"error: {e}", file=sys.stderr)
+            _error(str(e))
             return EXIT_USAGE
         except OSError as e:
             what = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
-            print(f"error: {what}{left}", file=sys.stderr)
+            _error(f"{what}{left}")
             return EXIT_IO
         except Exception:  # a bug: keep the traceback, but with its own exit status
             traceback.print_exc()
