@@ -346,6 +346,33 @@ def test_fp4_linear_arguments_fuzz(data):
 
 
 @given(data=st.data())
+def test_grouped_offsets_fuzz(data):
+    experts = data.draw(st.integers(1, 4), label="E")
+    rows = data.draw(st.integers(0, 9), label="T")
+    offsets = data.draw(st.lists(_mostly([None], [-1, rows + 1]), min_size=experts,
+                                 max_size=experts), label="lies")
+    # sorted cuts of [0, T] ending at T, then maybe a lie: a negative, a decrease, an end past T
+    cuts = sorted(data.draw(st.lists(st.integers(0, rows), min_size=experts - 1, max_size=experts - 1), label="cuts"))
+    ends = [*cuts, rows]
+    ends = [e if lie is None else lie for e, lie in zip(ends, offsets)]
+    x = torch.randn(rows, 64)
+    w, s = zip(*(formats.quantize_fp8(torch.randn(8, 64)) for _ in range(experts)))
+    w, s = torch.stack(w), torch.stack(s)
+    off = torch.tensor(ends, dtype=torch.int32)
+    valid = all(b >= a for a, b in zip([0, *ends], ends)) and ends[-1] == rows
+    try:
+        y = ops.fp8_grouped_linear(x, w, s, off)
+    except ValueError as e:
+        assert not valid and str(e).startswith("offsets: "), str(e)
+        return
+    assert valid, f"offsets {ends} for T = {rows} were accepted"
+    start = 0
+    for e, end in enumerate(ends):
+        assert torch.equal(y[start:end], ops.fp8_linear(x[start:end], w[e], s[e]))
+        start = end
+
+
+@given(data=st.data())
 def test_attention_arguments_fuzz(data):
     # Finite scales up to 1e30 keep the float32 scores of these unit-size q, k finite (a
     # larger one overflows them, as it would in any float32 softmax); the rest is hostile.
