@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .descriptor import E2M1, E4M3FN, E8M0, FP4, FP8, F32_SCALE, cdiv, check_block, dtype_error, get_format
+from .descriptor import E2M1, E4M3FN, E8M0, FP4, FP8, check_block, dtype_error, get_format
 
 __all__ = [
     "FP8_MAX",
@@ -66,37 +66,30 @@ FP4_LUT = torch.tensor(
 # Midpoints between consecutive e2m1 magnitudes; a tie goes to the even code.
 _FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
-_E8M0_DTYPES = E8M0.storage
-_FP8_DTYPES = E4M3FN.storage
-_FP4_DTYPES = E2M1.storage
-
 
 # --------------------------------------------------------------------------- #
 # storage views
 # --------------------------------------------------------------------------- #
 
 
-_dtype_error = dtype_error
-
-
 def as_e8m0_codes(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
     """View e8m0 scales (``uint8`` or ``float8_e8m0fnu``) as their ``uint8`` codes."""
-    if scale.dtype not in _E8M0_DTYPES:
-        raise _dtype_error(name, scale, _E8M0_DTYPES)
+    if scale.dtype not in E8M0.storage:
+        raise dtype_error(name, scale, E8M0.storage)
     return scale.view(torch.uint8)
 
 
 def as_fp8_bytes(data: torch.Tensor, name: str = "weight") -> torch.Tensor:
     """View fp8 data (``float8_e4m3fn`` or ``uint8``) as ``uint8`` bytes."""
-    if data.dtype not in _FP8_DTYPES:
-        raise _dtype_error(name, data, _FP8_DTYPES)
+    if data.dtype not in E4M3FN.storage:
+        raise dtype_error(name, data, E4M3FN.storage)
     return data.view(torch.uint8)
 
 
 def as_fp4_bytes(packed: torch.Tensor, name: str = "weight") -> torch.Tensor:
     """View packed fp4 (``uint8``, ``int8`` or ``float4_e2m1fn_x2``) as ``uint8`` bytes."""
-    if packed.dtype not in _FP4_DTYPES:
-        raise _dtype_error(name, packed, _FP4_DTYPES)
+    if packed.dtype not in E2M1.storage:
+        raise dtype_error(name, packed, E2M1.storage)
     return packed.view(torch.uint8)
 
 
@@ -115,9 +108,9 @@ def _scale_values(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
     """Scales as float32 multipliers: e8m0 codes are decoded, float32 passes through."""
     if scale.dtype == torch.float32:
         return scale
-    if scale.dtype in _E8M0_DTYPES:
+    if scale.dtype in E8M0.storage:
         return decode_e8m0(scale)
-    raise _dtype_error(name, scale, (*_E8M0_DTYPES, torch.float32))
+    raise dtype_error(name, scale, (*E8M0.storage, torch.float32))
 
 
 def expand_blocks(scale: torch.Tensor, block: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
