@@ -34,7 +34,7 @@ from torch import nn
 
 from .. import formats, ops
 from ..nn.checkpoint import CheckpointError, detect_linear, module_class_for, open_checkpoint
-from ..nn.linear import BF16Linear, FP4Linear, FP8Linear, _finish, _op_out_dtype
+from ..nn.linear import BF16Linear, FP4Linear, FP8Linear, finish_output, op_out_dtype
 from .sharding import (
     RowShard,
     column_shard,
@@ -208,7 +208,7 @@ class RowParallelLinear(nn.Module):
         if self.lead:
             a = F.pad(a, (self.lead, 0))
         partial = _partial_linear(self.local, a)
-        out_dtype = _op_out_dtype(x)
+        out_dtype = op_out_dtype(x)
         if self.world_size == 1:
             y = self._finish_rows(partial, out_dtype)
         elif self.reduce == "all_reduce":
@@ -216,7 +216,7 @@ class RowParallelLinear(nn.Module):
             y = self._finish_rows(partial, out_dtype)
         else:
             y = self._scatter_gather(partial, out_dtype)
-        return _finish(y.reshape(*lead_shape, self.out_features), x)
+        return finish_output(y.reshape(*lead_shape, self.out_features), x)
 
     def _finish_rows(self, acc: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         if self.bias is not None:

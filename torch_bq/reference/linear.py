@@ -21,6 +21,7 @@ from .. import formats
 
 __all__ = [
     "SLAB_BYTES",
+    "slab_rows",
     "fp8_linear",
     "fp4_linear",
     "nvfp4_linear",
@@ -130,7 +131,9 @@ def decode_dense_rows(weight: torch.Tensor, n0: int, n1: int) -> torch.Tensor:
     return weight[n0:n1].to(torch.bfloat16).to(torch.float32)
 
 
-def _slab_rows(k: int, row_multiple: int) -> int:
+def slab_rows(k: int, row_multiple: int) -> int:
+    """Rows of a ``K = k`` weight decoded at a time: ``SLAB_BYTES`` of float32, a multiple of
+    ``row_multiple`` (whole scale-block rows), at least one."""
     rows = max(1, SLAB_BYTES // (4 * max(k, 1)))
     return max(row_multiple, rows // row_multiple * row_multiple)
 
@@ -172,7 +175,7 @@ def fp8_linear(
         return decode_fp8_rows(weight, scale, block, n0, n1)
 
     a = _activation(x, act_quant, act_peak)
-    return _slabbed_linear(a, n, _slab_rows(weight.shape[1], block[0]), decode, bias, x.shape[:-1], out_dtype)
+    return _slabbed_linear(a, n, slab_rows(weight.shape[1], block[0]), decode, bias, x.shape[:-1], out_dtype)
 
 
 def fp4_linear(
@@ -193,7 +196,7 @@ def fp4_linear(
         return decode_fp4_rows(weight, scale, k, n0, n1)
 
     a = _activation(x, act_quant, act_peak)
-    return _slabbed_linear(a, n, _slab_rows(k, 1), decode, bias, x.shape[:-1], out_dtype)
+    return _slabbed_linear(a, n, slab_rows(k, 1), decode, bias, x.shape[:-1], out_dtype)
 
 
 def nvfp4_linear(
@@ -215,7 +218,7 @@ def nvfp4_linear(
         return decode_nvfp4_rows(weight, weight_scale, weight_scale_2, k, n0, n1)
 
     a = _activation(x, act_quant, act_peak)
-    return _slabbed_linear(a, n, _slab_rows(k, 1), decode, bias, x.shape[:-1], out_dtype)
+    return _slabbed_linear(a, n, slab_rows(k, 1), decode, bias, x.shape[:-1], out_dtype)
 
 
 def _dense_linear(x, weight, bias, out_dtype) -> torch.Tensor:
@@ -225,7 +228,7 @@ def _dense_linear(x, weight, bias, out_dtype) -> torch.Tensor:
         return decode_dense_rows(weight, n0, n1)
 
     a = _activation(x, False, formats.DEFAULT_ACT_PEAK)
-    return _slabbed_linear(a, n, _slab_rows(k, 1), decode, bias, x.shape[:-1], out_dtype)
+    return _slabbed_linear(a, n, slab_rows(k, 1), decode, bias, x.shape[:-1], out_dtype)
 
 
 def bf16_linear(
