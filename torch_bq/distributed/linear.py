@@ -34,7 +34,7 @@ from torch import nn
 
 from .. import formats, ops
 from ..nn.checkpoint import CheckpointError, detect_linear, module_class_for, open_checkpoint
-from ..nn.linear import BF16Linear, FP4Linear, FP8Linear, finish_output, op_out_dtype
+from ..nn.linear import BF16Linear, FP4Linear, FP8Linear, NVFP4Linear, finish_output, op_out_dtype
 from .sharding import (
     RowShard,
     column_shard,
@@ -148,6 +148,9 @@ def _partial_linear(module: nn.Module, a: torch.Tensor) -> torch.Tensor:
     if isinstance(module, FP4Linear):
         return ops.fp4_linear(a, module.weight, module.weight_scale, None, act_quant=False,
                               act_peak=module.act_peak, out_dtype=torch.float32)
+    if isinstance(module, NVFP4Linear):
+        return ops.nvfp4_linear(a, module.weight, module.weight_scale, module.weight_scale_2, None, act_quant=False,
+                                act_peak=module.act_peak, out_dtype=torch.float32)
     op = ops.fp32w_linear if module.weight.dtype == torch.float32 else ops.bf16_linear
     return op(a, module.weight, None, out_dtype=torch.float32)
 
