@@ -331,7 +331,7 @@ def test_module_compiles_fullgraph():
 def test_exact_codes_and_dtype():
     assert formats.NVFP4.exact_codes is None and formats.NVFP4.exact_dtype == torch.float32
     assert formats.FP8.exact_codes == (3, 246) and formats.FP4.exact_codes == (0, 252)
-    # the bf16 range edges the codes stand for (SPEC: e4m3 subnormal x 2**-127 underflows)
+    # the bf16 range edges the codes stand for (contract §1: e4m3 subnormal x 2**-127 underflows)
     assert math.ldexp(1, 3 - 127 - 9) == 2.0**-133
 
 
