@@ -130,7 +130,7 @@ def test_join_picks_the_coarsest_exact_block_and_mixed_scales():
     a_data, a_scale = formats.quantize_fp8(torch.randn(64, 40), (32, 32))
     b_data, b_scale = formats.quantize_fp8(torch.randn(48, 40) * 100, (16, 8), torch.float32)
     a = formats.RowPiece(a_data, a_scale, (32, 32))
-    b = formats.RowPiece(b_data, b_scale, (16, 8))
+    b = formats.RowPiece(b_data.view(torch.uint8), b_scale, (16, 8))  # raw bytes join float8 data
     joined = formats.join_rows("fp8", [a, b])
     assert joined.block == (16, 8) and joined.scale.dtype == torch.float32  # e8m0 decodes exactly to f32
     expected = torch.cat([_decode(formats.FP8, a), _decode(formats.FP8, b)])
@@ -170,3 +170,5 @@ def test_join_errors():
         formats.join_rows("fp8", [formats.RowPiece(d, torch.cat([s, s]), (32, 32))])
     with pytest.raises(ValueError, match="at least one piece"):
         formats.join_rows("fp8", [])
+    with pytest.raises(TypeError, match=r"weight \(piece 0\): expected dtype in"):
+        formats.join_rows("fp8", [formats.RowPiece(d.float(), s, (32, 32))])

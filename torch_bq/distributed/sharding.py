@@ -22,7 +22,12 @@ weight:
   keeps the whole first group and zeroes the weight of the columns before ``k0``
   (``lead = k0 % 32`` zero columns; its input is zero-padded by ``lead`` columns).
   Nibbles of a neighbour's columns inside a shared byte are zeroed as well.
+* **nvfp4 (1x16 e4m3, packed pairs, one per-tensor scale).** As fp4 with 16-column
+  groups; every shard keeps the layer's ``weight_scale_2``.
 * **bf16 / fp32w**: plain slices.
+
+Row ranges are joined by :func:`torch_bq.formats.join_rows`, the one place that knows
+how to re-block scale grids exactly.
 
 The same plans serve a full module in memory and a checkpoint, where only each
 tensor's covering slice is read (:func:`torch_bq.nn.checkpoint.read_linear`'s
@@ -31,6 +36,7 @@ tensor's covering slice is read (:func:`torch_bq.nn.checkpoint.read_linear`'s
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -41,7 +47,7 @@ from torch import nn
 from .. import formats
 from ..formats import cdiv
 from ..nn.checkpoint import LinearLayout, read_linear
-from ..nn.linear import BF16Linear, FP4Linear, FP8Linear
+from ..nn.linear import BF16Linear, FP4Linear, FP8Linear, NVFP4Linear
 
 __all__ = [
     "LinearSpec",
@@ -66,9 +72,10 @@ class LinearSpec:
     """What a full linear layer is, as far as sharding needs to know.
 
     Attributes:
-        format: ``"fp8"``, ``"fp4"``, ``"bf16"`` or ``"fp32w"``.
+        format: a format name (:func:`torch_bq.formats.get_format`): ``"fp8"``, ``"fp4"``,
+            ``"nvfp4"``, ``"bf16"`` or ``"fp32w"``.
         out_features, in_features: ``N`` and ``K``.
-        block: the fp8 block ``(bn, bk)`` (``(1, 32)`` for fp4, ``None`` dense).
+        block: the scale block ``(bn, bk)`` (the format's fixed one for fp4/nvfp4, ``None`` dense).
         packed_groups: fp4 data stored as ``[N, K/32, 16]`` (gpt-oss) rather than ``[N, K/2]``.
         act_quant, act_peak: the layer's activation round trip.
     """
@@ -94,28 +101,41 @@ def split_range(size: int, rank: int, world_size: int) -> Range:
 
 
 def spec_of(linear: nn.Module) -> LinearSpec:
-    """The :class:`LinearSpec` of a :class:`FP8Linear`, :class:`FP4Linear` or :class:`BF16Linear`."""
+    """The :class:`LinearSpec` of an :class:`FP8Linear`, :class:`FP4Linear`, :class:`NVFP4Linear` or
+    :class:`BF16Linear`."""
     if isinstance(linear, FP8Linear):
         return LinearSpec(linear.format.name, linear.out_features, linear.in_features, linear.block,
                           act_quant=linear.act_quant, act_peak=linear.act_peak)
-    if isinstance(linear, FP4Linear):
+    if isinstance(linear, (FP4Linear, NVFP4Linear)):
         return LinearSpec(linear.format.name, linear.out_features, linear.in_features, linear.format.default_block,
                           act_quant=linear.act_quant, act_peak=linear.act_peak)
     if isinstance(linear, BF16Linear):
         fmt = "fp32w" if linear.weight.dtype == torch.float32 else "bf16"
         return LinearSpec(fmt, linear.out_features, linear.in_features, None)
-    raise TypeError(f"linear: expected an FP8Linear, FP4Linear or BF16Linear, got {type(linear).__name__}")
+    raise TypeError(
+        f"linear: expected an FP8Linear, FP4Linear, NVFP4Linear or BF16Linear, got {type(linear).__name__}"
+    )
+
+
+#: the module of each quantized format family (their constructors' defaults apply to shards)
+_QUANTIZED_MODULES = {"fp8": FP8Linear, "fp4": FP4Linear, "nvfp4": NVFP4Linear}
+
+
+def _default_act_quant(family: str) -> bool:
+    return inspect.signature(_QUANTIZED_MODULES[family]).parameters["act_quant"].default
 
 
 def _spec_of_layout(layout: LinearLayout, act_quant: Optional[bool], act_peak: Optional[float]) -> LinearSpec:
-    # Module defaults when the caller does not say (the same as FP8Linear/FP4Linear's).
-    quantized = formats.get_format(layout.format).quantized
-    if not quantized and (act_quant or act_peak is not None):
+    # Module defaults when the caller does not say (those of FP8Linear/FP4Linear/NVFP4Linear).
+    fmt = formats.get_format(layout.format)
+    if not fmt.quantized and (act_quant or act_peak is not None):
         raise TypeError(f"{layout.prefix}: act_quant/act_peak do not apply to a dense (BF16Linear) layer")
+    if act_quant is None:
+        act_quant = fmt.quantized and _default_act_quant(fmt.family)
     return LinearSpec(
         layout.format, layout.out_features, layout.in_features, layout.block,
         packed_groups=layout.layout == "gpt-oss",
-        act_quant=quantized if act_quant is None else bool(act_quant),
+        act_quant=bool(act_quant),
         act_peak=formats.DEFAULT_ACT_PEAK if act_peak is None else float(act_peak),
     )
 
@@ -193,16 +213,23 @@ def column_shard_from_tensors(spec: LinearSpec, ranges: Sequence[Range], pieces:
     # formats.join_rows re-blocks them exactly (module docstring).
     bn = spec.block[0] if spec.block is not None else 1
     joined = formats.join_rows(fmt, [
-        formats.RowPiece(_flat_rows(p["weight"], spec), p.get("scale"), spec.block, a % bn)
+        formats.RowPiece(_flat_rows(p["weight"], spec), p.get("scale"), spec.block, a % bn, p.get("scale_2"))
         for (a, _), p in zip(ranges, pieces)
     ], name=name)
     if fmt.family == "fp8":
         return FP8Linear.from_quantized(joined.data, joined.scale, bias, block=joined.block,
                                         act_quant=spec.act_quant, act_peak=spec.act_peak, name=name)
-    if fmt.family == "fp4":
-        return FP4Linear.from_quantized(joined.data, joined.scale, bias, in_features=spec.in_features,
-                                        act_quant=spec.act_quant, act_peak=spec.act_peak, name=name)
+    if fmt.packed:
+        return _packed_module(fmt, joined.data, joined.scale, joined.tensor_scale, bias, spec.in_features, spec, name)
     return BF16Linear.from_quantized(joined.data, bias, name=name)
+
+
+def _packed_module(fmt, data, scale, scale_2, bias, in_features: int, spec: LinearSpec, name: str) -> nn.Module:
+    """The FP4Linear / NVFP4Linear holding packed e2m1 ``data`` with ``in_features`` columns."""
+    options = dict(in_features=in_features, act_quant=spec.act_quant, act_peak=spec.act_peak, name=name)
+    if fmt.tensor_scale is not None:
+        return NVFP4Linear.from_quantized(data, scale, scale_2, bias, **options)
+    return FP4Linear.from_quantized(data, scale, bias, **options)
 
 
 def _flat_rows(weight: torch.Tensor, spec: LinearSpec) -> torch.Tensor:
@@ -241,14 +268,14 @@ def row_shard_from_tensors(spec: LinearSpec, k0: int, k1: int, piece: dict, name
         module = FP8Linear.from_quantized(weight, scale, None, block=(bn, fine), act_quant=spec.act_quant,
                                           act_peak=spec.act_peak, name=name)
         return RowShard(module, k0, k1, 0, bias)
-    if fmt.family == "fp4":
+    if fmt.packed:  # e2m1 pairs with 1 x gk scale groups: fp4 (gk = 32), nvfp4 (gk = 16)
         gk = fmt.default_block[1]
         group0 = k0 // gk * gk
         lead, width = k0 - group0, k1 - group0
         data = formats.as_fp4_bytes(weight, name).reshape(weight.shape[0], -1)
         nbytes = fmt.element.items(width)
         local = torch.zeros(data.shape[0], nbytes, dtype=torch.uint8, device=data.device)
-        at = _first_byte(spec, k0) - group0 // 2  # where the read bytes sit in the shard
+        at = _first_byte(spec, k0) - group0 // fmt.element.per_item  # where the read bytes sit in the shard
         take = min(data.shape[1], nbytes - at)
         local[:, at:at + take] = data[:, :take]
         # Columns of the rank before (< k0) and after (>= k1) that share a group or a byte get
@@ -259,8 +286,7 @@ def row_shard_from_tensors(spec: LinearSpec, k0: int, k1: int, piece: dict, name
             local[:, lead // 2] &= 0xF0
         if width % 2 and k1 < spec.in_features:
             local[:, -1] &= 0x0F
-        module = FP4Linear.from_quantized(local, piece["scale"], None, in_features=width,
-                                          act_quant=spec.act_quant, act_peak=spec.act_peak, name=name)
+        module = _packed_module(fmt, local, piece["scale"], piece.get("scale_2"), None, width, spec, name)
         return RowShard(module, k0, k1, lead, bias)
     return RowShard(BF16Linear.from_quantized(weight, None, name=name), k0, k1, 0, bias)
 
@@ -271,7 +297,8 @@ def row_shard_from_tensors(spec: LinearSpec, k0: int, k1: int, piece: dict, name
 
 
 def _module_piece(linear: nn.Module, region: dict[str, tuple]) -> dict[str, torch.Tensor]:
-    stored = {"weight": linear.weight, "scale": getattr(linear, "weight_scale", None), "bias": linear.bias}
+    stored = {"weight": linear.weight, "scale": getattr(linear, "weight_scale", None),
+              "scale_2": getattr(linear, "weight_scale_2", None), "bias": linear.bias}
     # Copies, not views: a view would keep the whole full-size weight alive in every shard.
     return {
         kind: (t if kind not in region else t[region[kind]]).clone(memory_format=torch.contiguous_format)

@@ -1,4 +1,4 @@
-"""Codecs of the fp8, MXFP4 and e8m0 formats of SPEC.md §1-3: encode, decode, pack, validate.
+"""Codecs of the fp8, MXFP4 and e8m0 formats of docs/contract.md §1-3: encode, decode, pack, validate.
 
 Every function here is exact: quantizers produce the bytes the contract names,
 decoders produce the values the contract names, and validators raise
@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .descriptor import E2M1, E4M3FN, E8M0, FP4, FP8, F32_SCALE, cdiv, check_block, dtype_error, get_format
+from .descriptor import E2M1, E4M3FN, E8M0, FP4, FP8, check_block, dtype_error, get_format
 
 __all__ = [
     "FP8_MAX",
@@ -56,7 +56,7 @@ FP8_MAX = E4M3FN.max_value  # OCP E4M3FN largest finite value, 448
 FP4_MAX = E2M1.max_value  # e2m1 largest finite value, 6
 E8M0_BIAS = 127
 E8M0_NAN = 255
-DEFAULT_ACT_PEAK = 224.0  # Trainium2 saturates e4m3 at 240; see SPEC.md §3
+DEFAULT_ACT_PEAK = 224.0  # Trainium2 saturates e4m3 at 240; see docs/contract.md §3
 QDQ_BLOCK = 32  # activation blocks are 1x32 along K
 FP4_BLOCK = FP4.default_block[1]  # MXFP4 scales cover 1x32 along K
 
@@ -68,37 +68,30 @@ FP4_LUT = torch.tensor(
 # Midpoints between consecutive e2m1 magnitudes; a tie goes to the even code.
 _FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
-_E8M0_DTYPES = E8M0.storage
-_FP8_DTYPES = E4M3FN.storage
-_FP4_DTYPES = E2M1.storage
-
 
 # --------------------------------------------------------------------------- #
 # storage views
 # --------------------------------------------------------------------------- #
 
 
-_dtype_error = dtype_error
-
-
 def as_e8m0_codes(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
     """View e8m0 scales (``uint8`` or ``float8_e8m0fnu``) as their ``uint8`` codes."""
-    if scale.dtype not in _E8M0_DTYPES:
-        raise _dtype_error(name, scale, _E8M0_DTYPES)
+    if scale.dtype not in E8M0.storage:
+        raise dtype_error(name, scale, E8M0.storage)
     return scale.view(torch.uint8)
 
 
 def as_fp8_bytes(data: torch.Tensor, name: str = "weight") -> torch.Tensor:
     """View fp8 data (``float8_e4m3fn`` or ``uint8``) as ``uint8`` bytes."""
-    if data.dtype not in _FP8_DTYPES:
-        raise _dtype_error(name, data, _FP8_DTYPES)
+    if data.dtype not in E4M3FN.storage:
+        raise dtype_error(name, data, E4M3FN.storage)
     return data.view(torch.uint8)
 
 
 def as_fp4_bytes(packed: torch.Tensor, name: str = "weight") -> torch.Tensor:
     """View packed fp4 (``uint8``, ``int8`` or ``float4_e2m1fn_x2``) as ``uint8`` bytes."""
-    if packed.dtype not in _FP4_DTYPES:
-        raise _dtype_error(name, packed, _FP4_DTYPES)
+    if packed.dtype not in E2M1.storage:
+        raise dtype_error(name, packed, E2M1.storage)
     return packed.view(torch.uint8)
 
 
@@ -117,9 +110,9 @@ def _scale_values(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
     """Scales as float32 multipliers: e8m0 codes are decoded, float32 passes through."""
     if scale.dtype == torch.float32:
         return scale
-    if scale.dtype in _E8M0_DTYPES:
+    if scale.dtype in E8M0.storage:
         return decode_e8m0(scale)
-    raise _dtype_error(name, scale, (*_E8M0_DTYPES, torch.float32))
+    raise dtype_error(name, scale, (*E8M0.storage, torch.float32))
 
 
 def expand_blocks(scale: torch.Tensor, block: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
@@ -142,7 +135,8 @@ def dequantize_fp8(
         scale: ``[ceil(N/bn), ceil(K/bk)]`` e8m0 codes (``float8_e8m0fnu``/``uint8``)
             or ``float32`` multipliers (DeepSeek-V3 ``weight_scale_inv``).
         block: ``(bn, bk)``; ``(1, 32)`` is MXFP8.
-        dtype: output dtype. With e8m0 scales every finite value is exact in bf16.
+        dtype: output dtype. ``float32`` holds every value exactly; bf16 too except at
+            extreme scale codes (docs/contract.md §1).
 
     Returns:
         ``[N, K]`` tensor of ``dtype`` with ``e4m3(data[n, k]) * scale[n // bn, k // bk]``
@@ -192,7 +186,8 @@ def dequantize_fp4(
             e2m1 values per byte, element ``2j`` in the low nibble.
         scale: ``[N, ceil(K/32)]`` e8m0 codes (``float8_e8m0fnu``/``uint8``).
         in_features: ``K``; defaults to ``2 * packed.shape[1]``. Must be that or one less.
-        dtype: output dtype; every finite value is exact in bf16.
+        dtype: output dtype. ``float32`` holds every value exactly; bf16 too except at
+            extreme scale codes (docs/contract.md §1).
 
     Returns:
         ``[N, K]`` tensor of ``dtype`` with ``LUT[nibble] * 2**(scale - 127)``.
@@ -205,7 +200,7 @@ def dequantize_fp4(
 
 
 # --------------------------------------------------------------------------- #
-# quantizers (SPEC.md §2)
+# quantizers (docs/contract.md §2)
 # --------------------------------------------------------------------------- #
 
 
@@ -237,7 +232,7 @@ def quantize_fp8(
     block: Sequence[int] = FP8.default_block,
     scale_dtype: torch.dtype = torch.float8_e8m0fnu,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a float weight to block-scaled fp8 (SPEC.md §2).
+    """Quantize a float weight to block-scaled fp8 (docs/contract.md §2).
 
     Each ``bn x bk`` block gets the power-of-two scale ``2**ceil(log2(amax / 448))``
     (never saturates; an all-zero block gets 1.0) and its elements are rounded
@@ -287,7 +282,7 @@ def _round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp4(w: torch.Tensor, rounding: str = "ceil") -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a float weight to OCP MXFP4 (1x32 blocks, e8m0 scales; SPEC.md §2).
+    """Quantize a float weight to OCP MXFP4 (1x32 blocks, e8m0 scales; docs/contract.md §2).
 
     Args:
         w: ``[N, K]`` float tensor, finite.
@@ -323,7 +318,7 @@ def quantize_fp4(w: torch.Tensor, rounding: str = "ceil") -> tuple[torch.Tensor,
 
 
 # --------------------------------------------------------------------------- #
-# activation quant-dequant (SPEC.md §3)
+# activation quant-dequant (docs/contract.md §3)
 # --------------------------------------------------------------------------- #
 
 
@@ -407,7 +402,7 @@ MIN_ACT_PEAK = 4.0
 
 
 def check_peak(peak: float, name: str = "act_peak") -> None:
-    """Raise unless ``4 <= peak <= 448`` (the qdq peak of SPEC.md §3; see :data:`MIN_ACT_PEAK`)."""
+    """Raise unless ``4 <= peak <= 448`` (the qdq peak of docs/contract.md §3; see :data:`MIN_ACT_PEAK`)."""
     short = name.rsplit(".", 1)[-1]
     if isinstance(peak, bool) or not isinstance(peak, numbers.Real):
         raise TypeError(f"{name}: expected a float, got {type(peak).__name__}")
@@ -453,7 +448,7 @@ def find_nan_codes(
     in_features: int | None = None,
     tensor_scale: Optional[torch.Tensor] = None,
 ) -> None:
-    """Raise ``ValueError`` if a weight holds NaN codes (SPEC.md §1: corruption, not a weight).
+    """Raise ``ValueError`` if a weight holds NaN codes (docs/contract.md §1: corruption, not a weight).
 
     ``fmt`` is any format name (:func:`torch_bq.formats.get_format`); the checks are
     :meth:`WeightFormat.find_nan_codes`: e8m0 scale codes 255, fp8 data bytes 0x7F/0xFF,

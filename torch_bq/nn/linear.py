@@ -1,6 +1,6 @@
 """Drop-in linear modules on block-quantized weights: ``FP8Linear``, ``FP4Linear``, ``NVFP4Linear``, ``BF16Linear``.
 
-Each module holds its weight exactly as the formats of SPEC.md §1 store it and
+Each module holds its weight exactly as the formats of docs/contract.md §1 store it and
 calls one ``torch_bq::`` op in ``forward``; nothing is dequantized up front.
 
 State (names as in ``state_dict``):
@@ -59,12 +59,13 @@ _OP_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _op_out_dtype(x: torch.Tensor) -> torch.dtype:
+def op_out_dtype(x: torch.Tensor) -> torch.dtype:
     """The op's ``out_dtype`` for input ``x``: the input dtype where the op can emit it."""
     return x.dtype if x.dtype in _OP_OUT_DTYPES else torch.float32
 
 
-def _finish(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def finish_output(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The op's output ``y`` in the input's dtype (a module's output follows its input)."""
     # float64 inputs (gradcheck, numerics tests) come back as float64; the op
     # itself computes in float32 and rounds once, so this cast adds nothing.
     return y if y.dtype == x.dtype else y.to(x.dtype)
@@ -249,7 +250,7 @@ def _act_repr(act_quant: bool, act_peak: float) -> str:
 
 
 class FP8Linear(_RecordsBlock, _QuantizedLinear):
-    """``nn.Linear`` with a block-scaled fp8 e4m3 weight (SPEC.md §1, §4).
+    """``nn.Linear`` with a block-scaled fp8 e4m3 weight (docs/contract.md §1, §4).
 
     ``forward(x)``: ``x`` ``[..., K]`` any float dtype -> ``[..., N]`` of ``x.dtype``,
     computed by :func:`torch_bq.ops.fp8_linear` (activations round-tripped through
@@ -317,9 +318,9 @@ class FP8Linear(_RecordsBlock, _QuantizedLinear):
             block=self.block,
             act_quant=self.act_quant,
             act_peak=self.act_peak,
-            out_dtype=_op_out_dtype(x),
+            out_dtype=op_out_dtype(x),
         )
-        return _finish(y, x)
+        return finish_output(y, x)
 
     def extra_repr(self) -> str:
         spec = self.format.describe(self.block, self.format.scale_encoding(self.weight_scale))
@@ -379,7 +380,7 @@ class FP8Linear(_RecordsBlock, _QuantizedLinear):
         act_quant: bool = True,
         act_peak: float = formats.DEFAULT_ACT_PEAK,
     ) -> "FP8Linear":
-        """Quantize an ``nn.Linear`` (SPEC.md §2 fp8 quantizer); the bias is kept as is."""
+        """Quantize an ``nn.Linear`` (docs/contract.md §2 fp8 quantizer); the bias is kept as is."""
         _check_linear(linear)
         data, scale = formats.quantize_fp8(linear.weight.detach(), block, scale_dtype)
         bias = None if linear.bias is None else linear.bias.detach().clone()
@@ -400,7 +401,8 @@ class FP8Linear(_RecordsBlock, _QuantizedLinear):
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> nn.Linear:
         """An ``nn.Linear`` of ``dtype`` holding the decoded weight and the bias.
 
-        With e8m0 scales the decoded weight is exact in bf16; float32 scales that are
+        With e8m0 scales the decoded weight is exact in bf16 except at extreme scale codes
+        (docs/contract.md §1); float32 scales that are
         not powers of two (DeepSeek-V3's ``weight_scale_inv``) give products that bf16
         rounds, so ask for ``dtype=torch.float32`` to get the values the op uses.
         It computes ``F.linear`` without activation quantization, so it matches this
@@ -487,9 +489,9 @@ class FP4Linear(_QuantizedLinear):
             self.bias,
             act_quant=self.act_quant,
             act_peak=self.act_peak,
-            out_dtype=_op_out_dtype(x),
+            out_dtype=op_out_dtype(x),
         )
-        return _finish(y, x)
+        return finish_output(y, x)
 
     def extra_repr(self) -> str:
         return (
@@ -542,7 +544,7 @@ class FP4Linear(_QuantizedLinear):
         act_quant: bool = True,
         act_peak: float = formats.DEFAULT_ACT_PEAK,
     ) -> "FP4Linear":
-        """Quantize an ``nn.Linear`` (SPEC.md §2 MXFP4 quantizer, ``rounding`` "ceil" or "floor")."""
+        """Quantize an ``nn.Linear`` (docs/contract.md §2 MXFP4 quantizer, ``rounding`` "ceil" or "floor")."""
         _check_linear(linear)
         packed, scale = formats.quantize_fp4(linear.weight.detach(), rounding)
         bias = None if linear.bias is None else linear.bias.detach().clone()
@@ -562,7 +564,9 @@ class FP4Linear(_QuantizedLinear):
         return load_linear(cls, source, prefix, device=device, **options)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> nn.Linear:
-        """An ``nn.Linear`` of ``dtype`` holding the decoded weight (exact in bf16) and the bias.
+        """An ``nn.Linear`` of ``dtype`` holding the decoded weight and the bias.
+
+        The weight is exact in bf16 except at extreme scale codes (docs/contract.md §1).
 
         It computes ``F.linear`` without activation quantization, so it equals this
         module exactly only when ``act_quant=False``.
@@ -656,9 +660,9 @@ class NVFP4Linear(_QuantizedLinear):
             self.bias,
             act_quant=self.act_quant,
             act_peak=self.act_peak,
-            out_dtype=_op_out_dtype(x),
+            out_dtype=op_out_dtype(x),
         )
-        return _finish(y, x)
+        return finish_output(y, x)
 
     def extra_repr(self) -> str:
         return (
@@ -789,7 +793,7 @@ class BF16Linear(_QuantizedLinear):
     """``nn.Linear`` on a bf16 weight through :func:`torch_bq.ops.bf16_linear`.
 
     A float32 weight is kept as float32 and narrowed to bf16 inside
-    :func:`torch_bq.ops.fp32w_linear` (SPEC.md §1 ``fp32w``). Activations are
+    :func:`torch_bq.ops.fp32w_linear` (docs/contract.md §1 ``fp32w``). Activations are
     rounded to bf16, never quantized.
 
     Args:
@@ -816,7 +820,7 @@ class BF16Linear(_QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = ops.fp32w_linear if self.weight.dtype == torch.float32 else ops.bf16_linear
-        return _finish(op(x, self.weight, self.bias, out_dtype=_op_out_dtype(x)), x)
+        return finish_output(op(x, self.weight, self.bias, out_dtype=op_out_dtype(x)), x)
 
     def extra_repr(self) -> str:
         fmt = "fp32w" if self.weight.dtype == torch.float32 else "bf16"

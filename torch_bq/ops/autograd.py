@@ -86,7 +86,7 @@ def fp8_linear_grad_input(
     def decode(n0: int, n1: int) -> torch.Tensor:
         return ref.decode_fp8_rows(weight, scale, block, n0, n1)
 
-    return linear_grad_input(grad, n, k, ref._slab_rows(k, block[0]), decode, x_dtype)
+    return linear_grad_input(grad, n, k, ref.slab_rows(k, block[0]), decode, x_dtype)
 
 
 @fp8_linear_grad_input.register_fake
@@ -105,7 +105,7 @@ def fp4_linear_grad_input(
     def decode(n0: int, n1: int) -> torch.Tensor:
         return ref.decode_fp4_rows(weight, scale, k, n0, n1)
 
-    return linear_grad_input(grad, n, k, ref._slab_rows(k, 1), decode, x_dtype)
+    return linear_grad_input(grad, n, k, ref.slab_rows(k, 1), decode, x_dtype)
 
 
 @fp4_linear_grad_input.register_fake
@@ -129,7 +129,7 @@ def nvfp4_linear_grad_input(
     def decode(n0: int, n1: int) -> torch.Tensor:
         return ref.decode_nvfp4_rows(weight, weight_scale, weight_scale_2, k, n0, n1)
 
-    return linear_grad_input(grad, n, k, ref._slab_rows(k, 1), decode, x_dtype)
+    return linear_grad_input(grad, n, k, ref.slab_rows(k, 1), decode, x_dtype)
 
 
 @nvfp4_linear_grad_input.register_fake
@@ -147,7 +147,7 @@ def dense_linear_grad_input(grad: torch.Tensor, weight: torch.Tensor, x_dtype: t
         # fp32w narrows its weight to bf16 in the forward, so the backward does too.
         return ref.decode_dense_rows(weight, n0, n1)
 
-    return linear_grad_input(grad, n, k, ref._slab_rows(k, 1), decode, x_dtype)
+    return linear_grad_input(grad, n, k, ref.slab_rows(k, 1), decode, x_dtype)
 
 
 @dense_linear_grad_input.register_fake

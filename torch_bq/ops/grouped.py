@@ -87,7 +87,7 @@ def _grouped_grad_input(grad, weight, offsets, k, x_dtype, row_multiple, decode_
     n = weight.shape[1]
 
     def expert_grad(e, g_rows):
-        return linear_grad_input(g_rows, n, k, ref_linear._slab_rows(k, row_multiple),
+        return linear_grad_input(g_rows, n, k, ref_linear.slab_rows(k, row_multiple),
                                  lambda n0, n1: decode_expert_rows(e, n0, n1), x_dtype)
 
     return ref.by_expert(grad, offsets, k, x_dtype, expert_grad)

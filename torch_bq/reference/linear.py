@@ -1,4 +1,4 @@
-"""Reference linear math of SPEC.md §4: slow, obvious, exact.
+"""Reference linear math of docs/contract.md §4: slow, obvious, exact.
 
 ``y[m, n] = round_out(sum_k A[m, k] * W[n, k] (+ bias[n]))`` with
 ``A = qdq_fp8(x)`` or ``bf16(x)``, ``W`` the decoded weight, products and sums
@@ -21,6 +21,7 @@ from .. import formats
 
 __all__ = [
     "SLAB_BYTES",
+    "slab_rows",
     "fp8_linear",
     "fp4_linear",
     "nvfp4_linear",
@@ -126,7 +127,7 @@ def check_dense_linear_args(x, weight, bias, out_dtype, weight_dtype: torch.dtyp
 
 
 def _activation(x: torch.Tensor, act_quant: bool, act_peak: float) -> torch.Tensor:
-    """``A`` of SPEC.md §4 as float32 ``[M, K]``."""
+    """``A`` of docs/contract.md §4 as float32 ``[M, K]``."""
     x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1])  # not -1: K may be 0
     a = formats.qdq_fp8(x2, act_peak) if act_quant else x2.to(torch.bfloat16)
     return a.to(torch.float32)
@@ -166,7 +167,9 @@ def zero_k_linear(
     return acc.to(out_dtype)
 
 
-def _slab_rows(k: int, row_multiple: int) -> int:
+def slab_rows(k: int, row_multiple: int) -> int:
+    """Rows of a ``K = k`` weight decoded at a time: ``SLAB_BYTES`` of float32, a multiple of
+    ``row_multiple`` (whole scale-block rows), at least one."""
     rows = max(1, SLAB_BYTES // (4 * max(k, 1)))
     return max(row_multiple, rows // row_multiple * row_multiple)
 
@@ -210,7 +213,7 @@ def fp8_linear(
         return decode_fp8_rows(weight, scale, block, n0, n1)
 
     a = _activation(x, act_quant, act_peak)
-    return _slabbed_linear(a, n, _slab_rows(weight.shape[1], block[0]), decode, bias, x.shape[:-1], out_dtype)
+    return _slabbed_linear(a, n, slab_rows(weight.shape[1], block[0]), decode, bias, x.shape[:-1], out_dtype)
 
 
 def fp4_linear(
@@ -233,7 +236,7 @@ def fp4_linear(
         return decode_fp4_rows(weight, scale, k, n0, n1)
 
     a = _activation(x, act_quant, act_peak)
-    return _slabbed_linear(a, n, _slab_rows(k, 1), decode, bias, x.shape[:-1], out_dtype)
+    return _slabbed_linear(a, n, slab_rows(k, 1), decode, bias, x.shape[:-1], out_dtype)
 
 
 def nvfp4_linear(
@@ -257,7 +260,7 @@ def nvfp4_linear(
         return decode_nvfp4_rows(weight, weight_scale, weight_scale_2, k, n0, n1)
 
     a = _activation(x, act_quant, act_peak)
-    return _slabbed_linear(a, n, _slab_rows(k, 1), decode, bias, x.shape[:-1], out_dtype)
+    return _slabbed_linear(a, n, slab_rows(k, 1), decode, bias, x.shape[:-1], out_dtype)
 
 
 def _dense_linear(x, weight, bias, out_dtype) -> torch.Tensor:
@@ -269,7 +272,7 @@ def _dense_linear(x, weight, bias, out_dtype) -> torch.Tensor:
         return decode_dense_rows(weight, n0, n1)
 
     a = _activation(x, False, formats.DEFAULT_ACT_PEAK)
-    return _slabbed_linear(a, n, _slab_rows(k, 1), decode, bias, x.shape[:-1], out_dtype)
+    return _slabbed_linear(a, n, slab_rows(k, 1), decode, bias, x.shape[:-1], out_dtype)
 
 
 def bf16_linear(
