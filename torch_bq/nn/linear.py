@@ -70,12 +70,13 @@ _OP_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _op_out_dtype(x: torch.Tensor) -> torch.dtype:
+def op_out_dtype(x: torch.Tensor) -> torch.dtype:
     """The op's ``out_dtype`` for input ``x``: the input dtype where the op can emit it."""
     return x.dtype if x.dtype in _OP_OUT_DTYPES else torch.float32
 
 
-def _finish(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def finish_output(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The op's output ``y`` in the input's dtype (a module's output follows its input)."""
     # float64 inputs (gradcheck, numerics tests) come back as float64; the op
     # itself computes in float32 and rounds once, so this cast adds nothing.
     return y if y.dtype == x.dtype else y.to(x.dtype)
@@ -83,8 +84,9 @@ def _finish(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _check_features(in_features: int, out_features: int) -> None:
     for name, value in (("in_features", in_features), ("out_features", out_features)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        # 0 is allowed, as for nn.Linear: K = 0 gives the bias (or zeros), N = 0 an empty output
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
 
 
 def _bias_buffer(bias: bool, out_features: int, device, dtype) -> Optional[torch.Tensor]:
@@ -327,9 +329,9 @@ class FP8Linear(_RecordsBlock, _QuantizedLinear):
             block=self.block,
             act_quant=self.act_quant,
             act_peak=self.act_peak,
-            out_dtype=_op_out_dtype(x),
+            out_dtype=op_out_dtype(x),
         )
-        return _finish(y, x)
+        return finish_output(y, x)
 
     def extra_repr(self) -> str:
         spec = self.format.describe(self.block, self.format.scale_encoding(self.weight_scale))
@@ -514,9 +516,9 @@ class FP4Linear(_QuantizedLinear):
             self.bias,
             act_quant=self.act_quant,
             act_peak=self.act_peak,
-            out_dtype=_op_out_dtype(x),
+            out_dtype=op_out_dtype(x),
         )
-        return _finish(y, x)
+        return finish_output(y, x)
 
     def extra_repr(self) -> str:
         return (
@@ -696,9 +698,9 @@ class NVFP4Linear(_QuantizedLinear):
             self.bias,
             act_quant=self.act_quant,
             act_peak=self.act_peak,
-            out_dtype=_op_out_dtype(x),
+            out_dtype=op_out_dtype(x),
         )
-        return _finish(y, x)
+        return finish_output(y, x)
 
     def extra_repr(self) -> str:
         return (
@@ -866,7 +868,7 @@ class BF16Linear(_QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = ops.fp32w_linear if self.weight.dtype == torch.float32 else ops.bf16_linear
-        return _finish(op(x, self.weight, self.bias, out_dtype=_op_out_dtype(x)), x)
+        return finish_output(op(x, self.weight, self.bias, out_dtype=op_out_dtype(x)), x)
 
     def extra_repr(self) -> str:
         fmt = "fp32w" if self.weight.dtype == torch.float32 else "bf16"
