@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import formats, ops
+from ..checkpoint.scan import scan_nan_codes
 from .linear import _QuantizedLinear, _RecordsBlock
-from .validation import scan_nan_codes
 
 __all__ = ["FP4Experts", "FP8Experts", "ACTIVATIONS", "GPT_OSS_ALPHA", "GPT_OSS_LIMIT"]
 

@@ -49,9 +49,20 @@ import torch
 from torch import nn
 
 from .. import formats, ops
-from .validation import scan_nan_codes
+from ..checkpoint import CheckpointError, LinearLayout, LinearWeights, Source, detect_linear, open_checkpoint, read_linear
+from ..checkpoint.scan import scan_nan_codes
 
-__all__ = ["FP8Linear", "FP4Linear", "NVFP4Linear", "BF16Linear"]
+__all__ = [
+    "FP8Linear",
+    "FP4Linear",
+    "NVFP4Linear",
+    "BF16Linear",
+    "FORMAT_CLASSES",
+    "module_class_for",
+    "check_module_class",
+    "build_module",
+    "load_linear",
+]
 
 _OP_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -341,6 +352,7 @@ class FP8Linear(_RecordsBlock, _QuantizedLinear):
         act_quant: bool = True,
         act_peak: float = formats.DEFAULT_ACT_PEAK,
         name: str = "weight",
+        scan_codes: bool = True,
     ) -> "FP8Linear":
         """Wrap existing fp8 storage (no copy) after checking dtypes, shapes and NaN codes.
 
@@ -351,11 +363,13 @@ class FP8Linear(_RecordsBlock, _QuantizedLinear):
             bias: ``[N]`` float or ``None``.
             block: ``(bn, bk)`` the scales cover.
             name: the tensor's name in error messages (e.g. its checkpoint key).
+            scan_codes: scan for NaN codes (``False`` only for tensors already scanned,
+                as :meth:`from_weights` does for a loader's :class:`LinearWeights`).
         """
         fmt = cls.format
         block = fmt.resolve_block(block)
         fmt.check(weight, weight_scale, block=block, name=name)
-        if not weight.is_meta:
+        if scan_codes and not weight.is_meta:
             scan_nan_codes(weight, weight_scale, name=name, fmt=fmt.name)
         n, k = weight.shape
         bias = cls._bias_from(bias, n)
@@ -368,6 +382,20 @@ class FP8Linear(_RecordsBlock, _QuantizedLinear):
         module.weight_scale = weight_scale.view(scale_dtype)
         module.bias = bias
         return module
+
+    @classmethod
+    def from_weights(cls, weights: LinearWeights, *, act_quant: Optional[bool] = None,
+                     act_peak: Optional[float] = None, checked: bool = False) -> "FP8Linear":
+        """Build from a loader's :class:`~torch_bq.checkpoint.LinearWeights` (no copy, no second NaN scan).
+
+        ``checked=True`` says the caller already ran :func:`check_module_class` on the layout.
+        """
+        if not checked:
+            check_module_class(cls, weights.layout)
+        return cls.from_quantized(
+            weights.weight, weights.scale, weights.bias, block=weights.block, name=weights.layout.weight_name,
+            scan_codes=not weights.scanned, **_module_options(act_quant, act_peak),
+        )
 
     @classmethod
     def from_linear(
@@ -388,13 +416,12 @@ class FP8Linear(_RecordsBlock, _QuantizedLinear):
 
     @classmethod
     def from_checkpoint(cls, source, prefix: str, *, device="cpu", **options: Any) -> "FP8Linear":
-        """Load ``prefix`` from a checkpoint; see :func:`torch_bq.nn.checkpoint.load_linear`.
+        """Load ``prefix`` from a checkpoint; see :func:`load_linear`.
 
-        ``options`` are ``block`` (when the checkpoint cannot say), ``expert``,
-        ``rows``/``cols`` (a tensor-parallel shard), ``act_quant`` and ``act_peak``.
+        ``options`` are ``block`` (when the checkpoint records none), ``format="fp8"``
+        (e4m3 bytes stored as uint8), ``expert``, ``rows``/``cols`` (a tensor-parallel
+        shard), ``act_quant`` and ``act_peak``.
         """
-        from .checkpoint import load_linear
-
         return load_linear(cls, source, prefix, device=device, **options)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> nn.Linear:
@@ -509,6 +536,7 @@ class FP4Linear(_QuantizedLinear):
         act_quant: bool = True,
         act_peak: float = formats.DEFAULT_ACT_PEAK,
         name: str = "weight",
+        scan_codes: bool = True,
     ) -> "FP4Linear":
         """Wrap existing MXFP4 storage (no copy) after checking dtypes, shapes and NaN codes.
 
@@ -518,10 +546,11 @@ class FP4Linear(_QuantizedLinear):
             bias: ``[N]`` float or ``None``.
             in_features: ``K``; defaults to ``2 * weight.shape[1]``.
             name: the tensor's name in error messages.
+            scan_codes: scan for NaN codes (``False`` only for tensors already scanned).
         """
         fmt = cls.format
         k = fmt.check(weight, weight_scale, in_features=in_features, name=name)
-        if not weight.is_meta:
+        if scan_codes and not weight.is_meta:
             scan_nan_codes(weight, weight_scale, name=name, fmt=fmt.name, in_features=k)
         n = weight.shape[0]
         bias = cls._bias_from(bias, n)
@@ -533,6 +562,17 @@ class FP4Linear(_QuantizedLinear):
         module.weight_scale = weight_scale.view(fmt.scales[0].dtype)
         module.bias = bias
         return module
+
+    @classmethod
+    def from_weights(cls, weights: LinearWeights, *, act_quant: Optional[bool] = None,
+                     act_peak: Optional[float] = None, checked: bool = False) -> "FP4Linear":
+        """Build from a loader's :class:`~torch_bq.checkpoint.LinearWeights` (no copy, no second NaN scan)."""
+        if not checked:
+            check_module_class(cls, weights.layout)
+        return cls.from_quantized(
+            weights.weight, weights.scale, weights.bias, in_features=weights.in_features,
+            name=weights.layout.weight_name, scan_codes=not weights.scanned, **_module_options(act_quant, act_peak),
+        )
 
     @classmethod
     def from_linear(
@@ -553,13 +593,11 @@ class FP4Linear(_QuantizedLinear):
 
     @classmethod
     def from_checkpoint(cls, source, prefix: str, *, device="cpu", **options: Any) -> "FP4Linear":
-        """Load ``prefix`` from a checkpoint; see :func:`torch_bq.nn.checkpoint.load_linear`.
+        """Load ``prefix`` from a checkpoint; see :func:`load_linear`.
 
         ``options`` are ``expert`` (gpt-oss stacked experts), ``in_features``,
         ``rows``/``cols`` (a tensor-parallel shard), ``act_quant`` and ``act_peak``.
         """
-        from .checkpoint import load_linear
-
         return load_linear(cls, source, prefix, device=device, **options)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> nn.Linear:
@@ -681,6 +719,7 @@ class NVFP4Linear(_QuantizedLinear):
         act_quant: bool = False,
         act_peak: float = formats.DEFAULT_ACT_PEAK,
         name: str = "weight",
+        scan_codes: bool = True,
     ) -> "NVFP4Linear":
         """Wrap existing NVFP4 storage (no copy) after checking dtypes, shapes and corrupt codes.
 
@@ -691,10 +730,11 @@ class NVFP4Linear(_QuantizedLinear):
             bias: ``[N]`` float or ``None``.
             in_features: ``K``; defaults to ``2 * weight.shape[1]``.
             name: the tensor's name in error messages.
+            scan_codes: scan for corrupt codes (``False`` only for tensors already scanned).
         """
         fmt = cls.format
         k = fmt.check(weight, weight_scale, in_features=in_features, tensor_scale=weight_scale_2, name=name)
-        if not weight.is_meta:
+        if scan_codes and not weight.is_meta:
             fmt.find_nan_codes(None, weight_scale, tensor_scale=weight_scale_2, name=name)
             scan_nan_codes(weight, None, name=name, fmt=fmt.name, in_features=k)
         n = weight.shape[0]
@@ -706,6 +746,17 @@ class NVFP4Linear(_QuantizedLinear):
         module.weight_scale_2 = weight_scale_2.reshape(())
         module.bias = bias
         return module
+
+    @classmethod
+    def from_weights(cls, weights: LinearWeights, *, act_quant: Optional[bool] = None,
+                     act_peak: Optional[float] = None, checked: bool = False) -> "NVFP4Linear":
+        """Build from a loader's :class:`~torch_bq.checkpoint.LinearWeights` (no copy, no second scan)."""
+        if not checked:
+            check_module_class(cls, weights.layout)
+        return cls.from_quantized(
+            weights.weight, weights.scale, weights.tensor_scale, weights.bias, in_features=weights.in_features,
+            name=weights.layout.weight_name, scan_codes=not weights.scanned, **_module_options(act_quant, act_peak),
+        )
 
     @classmethod
     def from_linear(
@@ -725,10 +776,7 @@ class NVFP4Linear(_QuantizedLinear):
 
     @classmethod
     def from_checkpoint(cls, source, prefix: str, *, device="cpu", **options: Any) -> "NVFP4Linear":
-        """Load ``prefix`` (the ModelOpt NVFP4 layout) from a checkpoint; see
-        :func:`torch_bq.nn.checkpoint.load_linear`."""
-        from .checkpoint import load_linear
-
+        """Load ``prefix`` (the ModelOpt NVFP4 layout) from a checkpoint; see :func:`load_linear`."""
         return load_linear(cls, source, prefix, device=device, **options)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> nn.Linear:
@@ -848,6 +896,16 @@ class BF16Linear(_QuantizedLinear):
         return module
 
     @classmethod
+    def from_weights(cls, weights: LinearWeights, *, act_quant: Optional[bool] = None,
+                     act_peak: Optional[float] = None, checked: bool = False) -> "BF16Linear":
+        """Build from a loader's dense :class:`~torch_bq.checkpoint.LinearWeights` (no copy)."""
+        if not checked:
+            check_module_class(cls, weights.layout)
+        if act_quant is not None or act_peak is not None:
+            raise TypeError(f"{weights.layout.weight_name}: act_quant/act_peak do not apply to a dense (BF16Linear) layer")
+        return cls.from_quantized(weights.weight, weights.bias, name=weights.layout.weight_name)
+
+    @classmethod
     def from_linear(cls, linear: nn.Linear, *, keep_fp32: bool = False) -> "BF16Linear":
         """Wrap an ``nn.Linear``'s weight (copied), rounded to bf16 (``bf16_linear``).
 
@@ -864,8 +922,6 @@ class BF16Linear(_QuantizedLinear):
     @classmethod
     def from_checkpoint(cls, source, prefix: str, *, device="cpu", **options: Any) -> "BF16Linear":
         """Load a dense ``prefix.weight`` (bf16, or float32 kept as fp32w; fp16 widens to float32)."""
-        from .checkpoint import load_linear
-
         return load_linear(cls, source, prefix, device=device, **options)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> nn.Linear:
@@ -908,3 +964,79 @@ def _dense_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: tor
         linear.bias = nn.Parameter(bias.detach().to(dtype).clone())
     return linear
 
+
+
+def _module_options(act_quant: Optional[bool], act_peak: Optional[float]) -> dict:
+    opts = {}
+    if act_quant is not None:
+        opts["act_quant"] = act_quant
+    if act_peak is not None:
+        opts["act_peak"] = act_peak
+    return opts
+
+
+# =========================================================================== #
+# format -> class registry and checkpoint loading
+# =========================================================================== #
+
+#: format name -> the torch_bq module class that holds it (the one registry)
+FORMAT_CLASSES = {"fp8": FP8Linear, "fp4": FP4Linear, "nvfp4": NVFP4Linear, "bf16": BF16Linear, "fp32w": BF16Linear}
+
+
+def module_class_for(fmt: str):
+    """The torch_bq module class for a format name."""
+    if fmt not in FORMAT_CLASSES:
+        raise ValueError(f"format: expected one of {sorted(FORMAT_CLASSES)}, got {fmt!r}")
+    return FORMAT_CLASSES[fmt]
+
+
+def check_module_class(cls, layout: LinearLayout) -> None:
+    """Raise :class:`~torch_bq.checkpoint.CheckpointError` unless ``cls`` holds ``layout.format``.
+
+    The one class check of every loading path (``from_checkpoint``, ``from_weights``,
+    :func:`build_module`, ``load_quantized_``); it runs on the layout, before data is read.
+    """
+    expected = module_class_for(layout.format)
+    if cls is not expected:
+        hint = ""
+        if layout.format == "fp4" and layout.source != "record" and cls is FP8Linear:
+            hint = " (if these uint8 bytes are fp8 e4m3 codes, pass format='fp8')"
+        raise CheckpointError(
+            f"{layout.prefix}: the checkpoint holds {layout.format} weights ({layout.layout} layout"
+            + (", recorded" if layout.source == "record" else "")
+            + f"); load them with {expected.__name__}, not {cls.__name__}{hint}"
+        )
+
+
+def build_module(weights: LinearWeights, cls=None, *, device="cpu", act_quant: Optional[bool] = None,
+                 act_peak: Optional[float] = None):
+    """A torch_bq module holding ``weights`` (moved to ``device``); ``cls`` defaults from the format."""
+    cls = module_class_for(weights.format) if cls is None else cls
+    return cls.from_weights(weights, act_quant=act_quant, act_peak=act_peak).to(device)
+
+
+def load_linear(cls, source: Source, prefix: str, *, device="cpu", expert: Optional[int] = None,
+                block: Optional[Sequence[int]] = None, in_features: Optional[int] = None,
+                format: Optional[str] = None,
+                rows: Optional[Sequence[int]] = None, cols: Optional[Sequence[int]] = None,
+                act_quant: Optional[bool] = None, act_peak: Optional[float] = None):
+    """Build a ``cls`` module from layer ``prefix`` of ``source`` (the body of ``from_checkpoint``).
+
+    Args:
+        cls: ``FP8Linear``, ``FP4Linear`` or ``BF16Linear``; must match what the checkpoint holds.
+        source: a ``.safetensors`` file, a directory (index or files; ``config.json``), a mapping,
+            or a :class:`~torch_bq.checkpoint.CheckpointReader`.
+        prefix: the layer's name in the checkpoint.
+        device: where the module's tensors end up (read on CPU, then moved).
+        expert: pick one expert of stacked tensors (gpt-oss ``_blocks``/``_scales``).
+        block: fp8 block when the checkpoint records none (it must agree with a record).
+        in_features: ``K`` for fp4 with odd ``K`` when not recorded.
+        format: ``"fp8"`` for e4m3 bytes stored as uint8 in an unrecorded checkpoint.
+        rows, cols: load only a tensor-parallel shard (see :func:`~torch_bq.checkpoint.read_linear`).
+        act_quant, act_peak: module options (default: the module's defaults).
+    """
+    with open_checkpoint(source) as reader:
+        layout = detect_linear(reader, prefix, expert=expert, block=block, in_features=in_features, format=format)
+        check_module_class(cls, layout)  # from the headers, before any data is read
+        weights = read_linear(reader, layout, rows=rows, cols=cols)
+    return cls.from_weights(weights, act_quant=act_quant, act_peak=act_peak, checked=True).to(device)
