@@ -110,8 +110,7 @@ def spec_of(linear: nn.Module) -> LinearSpec:
         return LinearSpec(linear.format.name, linear.out_features, linear.in_features, linear.format.default_block,
                           act_quant=linear.act_quant, act_peak=linear.act_peak)
     if isinstance(linear, BF16Linear):
-        fmt = "fp32w" if linear.weight.dtype == torch.float32 else "bf16"
-        return LinearSpec(fmt, linear.out_features, linear.in_features, None)
+        return LinearSpec(linear.format.name, linear.out_features, linear.in_features, None)
     raise TypeError(
         f"linear: expected an FP8Linear, FP4Linear, NVFP4Linear or BF16Linear, got {type(linear).__name__}"
     )

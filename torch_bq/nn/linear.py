@@ -859,7 +859,7 @@ class BF16Linear(_QuantizedLinear):
                  dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         _check_features(in_features, out_features)
-        if dtype not in (torch.bfloat16, torch.float32):
+        if dtype not in _DENSE_FORMATS:
             raise TypeError(f"dtype: expected torch.bfloat16 or torch.float32, got {dtype}")
         self.in_features = in_features
         self.out_features = out_features
@@ -871,14 +871,21 @@ class BF16Linear(_QuantizedLinear):
         return finish_output(op(x, self.weight, self.bias, out_dtype=op_out_dtype(x)), x)
 
     def extra_repr(self) -> str:
-        fmt = "fp32w" if self.weight.dtype == torch.float32 else "bf16"
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self._bias_repr()}, format={fmt}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, {self._bias_repr()}, "
+            f"{self.format.describe()}"
+        )
+
+    @property
+    def format(self) -> formats.WeightFormat:
+        """``formats.FP32W`` for a float32 weight, else ``formats.BF16``."""
+        return _DENSE_FORMATS[self.weight.dtype]
 
     @classmethod
     def from_quantized(cls, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                        name: str = "weight") -> "BF16Linear":
         """Wrap a ``bfloat16`` or ``float32`` ``[N, K]`` weight (no copy)."""
-        if weight.dtype not in (torch.bfloat16, torch.float32):
+        if weight.dtype not in _DENSE_FORMATS:
             raise TypeError(f"{name}: expected dtype torch.bfloat16 or torch.float32, got {weight.dtype}")
         if weight.dim() != 2:
             raise ValueError(f"{name}: expected a 2-D [N, K] tensor, got shape {list(weight.shape)}")
@@ -924,8 +931,12 @@ class BF16Linear(_QuantizedLinear):
 
     def _validate_loaded(self, incoming, assign):
         weight = incoming.get("weight")
-        if weight is not None and weight.dtype not in (torch.bfloat16, torch.float32):
+        if weight is not None and weight.dtype not in _DENSE_FORMATS:
             raise TypeError(f"weight: expected dtype torch.bfloat16 or torch.float32, got {weight.dtype}")
+
+
+#: the dense formats by the weight's storage dtype
+_DENSE_FORMATS = {f.element.dtype: f for f in (formats.BF16, formats.FP32W)}
 
 
 def _unit_scale(shape, dtype: torch.dtype, device) -> torch.Tensor:
