@@ -320,3 +320,36 @@ def test_nki_available_checks_the_version_floor(tmp_path, version, broadcast, av
     assert out["available"] is available, out
     if not available:
         assert "0.5" in out["reason"]
+
+
+def test_large_m_decodes_the_weight_once_then_runs_bf16_gemm_chunks():
+    """Above DECODE_M_MAX rows: one dequant launch, one qdq, then ceil(M / GEMM_M_CHUNK) GEMM launches,
+    bit-identical to the fused kernel; and the same kernel calls under torch.compile."""
+    out = _on_stand_in(
+        """
+        from torch_bq.ops.nki import launch as prep
+        x, w, b = torch.randn(300, 256, generator=g), torch.randn(96, 256, generator=g) * 0.1, torch.randn(96, generator=g)
+        res = {}
+        for fmt in ("fp8", "fp4"):
+            d, s = formats.quantize_fp8(w) if fmt == "fp8" else formats.quantize_fp4(w)
+            op = torch_bq.ops.fp8_linear if fmt == "fp8" else torch_bq.ops.fp4_linear
+            args = [to_neuron(t) for t in (x, d, s, b)]
+            fused = op(*args)  # M = 300 <= DECODE_M_MAX: the fused kernel
+            prep.DECODE_M_MAX, prep.GEMM_M_CHUNK = 64, 128
+            kernel_calls.clear()
+            split = op(*args)
+            res[fmt + "_calls"] = dict(kernel_calls)
+            res[fmt + "_equal"] = torch.equal(bits(split), bits(fused))
+            kernel_calls.clear()
+            compiled = torch.compile(lambda *a: op(*a), backend="neuron", fullgraph=True)(*args)
+            res[fmt + "_compiled_calls"] = dict(kernel_calls)
+            res[fmt + "_compiled_equal"] = torch.equal(bits(compiled), bits(fused))
+            prep.DECODE_M_MAX, prep.GEMM_M_CHUNK = 512, 1024
+            torch._dynamo.reset()
+        print(json.dumps(res))
+        """
+    )
+    for fmt in ("fp8", "fp4"):
+        calls = {f"{fmt}_dequant_kernel": 1, "qdq_fp8_kernel": 1, "bf16_linear_kernel": 3}
+        assert out[fmt + "_calls"] == calls and out[fmt + "_compiled_calls"] == calls, out
+        assert out[fmt + "_equal"] and out[fmt + "_compiled_equal"], out

@@ -358,3 +358,83 @@ def test_sbuf_peak_at_max_k_within_documented_budget(kernels, shim_only):
     # K = MAX_K: one 64 KiB staged tile per group, two groups in sequence.
     _check_dense(kernels, 130, prep.MAX_K, 32, 1, torch.bfloat16)
     assert 64 * 1024 < shim_only.last_launch.sbuf_peak <= _DOCUMENTED_SBUF_BOUND
+
+
+# --------------------------------------------------------------------------- #
+# large M: decode once into HBM, then the bf16 GEMM
+# --------------------------------------------------------------------------- #
+
+
+def test_dequant_kernels_decode_exactly(kernels):
+    import nki
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(200, 1024, generator=g) * 0.05
+    data, scale = formats.quantize_fp8(w)
+    launch8 = prep.prepare_fp8_linear(torch.zeros(1, 1024), data, scale, None, (32, 32), True, 224.0, torch.bfloat16)
+    w16 = nki.simulate(kernels.linear.fp8_dequant_kernel[2])(*launch8.tensors[1:3], 32, 32)
+    assert torch.equal(bits(w16), bits(formats.dequantize_fp8(data, scale, (32, 32), torch.bfloat16)))
+    packed, s4 = formats.quantize_fp4(w)
+    launch4 = prep.prepare_fp4_linear(torch.zeros(1, 1024), packed, s4, None, True, 224.0, torch.bfloat16)
+    w4 = nki.simulate(kernels.linear.fp4_dequant_kernel)(*launch4.tensors[1:3])
+    expected = formats.dequantize_fp4(packed, s4, 1024, torch.float32) * 2.0**-32  # exact: a power of two
+    assert torch.equal(bits(w4), bits(expected.bfloat16()))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_decode_once_path_equals_the_fused_kernel_bit_for_bit(kernels, fmt, lnc):
+    import nki
+
+    x, w, bias = _inputs(300, 512, 200, 9)
+    if fmt == "fp8":
+        data, scale = formats.quantize_fp8(w)
+        fused = prep.prepare_fp8_linear(x, data, scale, bias, (32, 32), True, 224.0, torch.bfloat16)
+        dequant, post, extra = kernels.linear.fp8_dequant_kernel, 1.0, (32, 32)
+    else:
+        data, scale = formats.quantize_fp4(w)
+        fused = prep.prepare_fp4_linear(x, data, scale, bias, True, 224.0, torch.bfloat16)
+        dequant, post, extra = kernels.linear.fp4_dequant_kernel, kernels.linear.FP4_POST_SCALE, ()
+    y_fused = launch(getattr(kernels.linear, fused.kernel), fused, lnc)
+    k = lambda kern: kern if lnc == 1 else kern[lnc]  # noqa: E731
+    w16 = nki.simulate(k(dequant))(*fused.tensors[1:3], *extra)
+    a = nki.simulate(k(kernels.qdq.qdq_fp8_kernel))(fused.tensors[0], 224.0)
+    y_split = nki.simulate(k(kernels.linear.bf16_linear_kernel))(a, w16, fused.tensors[3], "bfloat16", post)
+    assert torch.equal(bits(y_split), bits(y_fused))
+
+
+# --------------------------------------------------------------------------- #
+# denormals: what the decode would lose if the engines flushed them
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture
+def flushing(shim_only, monkeypatch):
+    monkeypatch.setattr(shim_only._core, "FLUSH_DENORMALS", True)
+
+
+def test_fp8_decode_under_a_denormal_flush_loses_exactly_the_e4m3_subnormals(kernels, flushing):
+    k, n = 64, 64
+    codes = torch.arange(256, dtype=torch.int32).repeat(16).reshape(n, k)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C
+    data = codes.to(torch.uint8)
+    scale = torch.full((2, 2), 127, dtype=torch.uint8)  # scale 1: every true weight is a bf16 normal
+    args = (_identity_rows(k), data, scale, None, (32, 32), False, 224.0, torch.float32)
+    y = launch(kernels.linear.fp8_linear_kernel, prep.prepare_fp8_linear(*args)).T
+    expected = formats.dequantize_fp8(data, scale, (32, 32), torch.float32)
+    lost = sorted({int(b) for b in data[y != expected]})
+    # The bit-placement decode puts e4m3 subnormals (exponent field 0) on bf16 denormals.
+    assert lost == [*range(0x01, 0x08), *range(0x81, 0x88)]
+    assert bool((y[y != expected] == 0).all())
+
+
+def test_fp4_decode_under_a_denormal_flush_loses_exactly_plus_minus_half(kernels, flushing):
+    k, n = 64, 16
+    nibbles = torch.arange(16, dtype=torch.uint8).repeat(n * k // 16).reshape(n, k)
+    packed = formats.pack_fp4(nibbles)
+    scale = torch.full((n, 2), 127, dtype=torch.uint8)
+    args = (_identity_rows(k), packed, scale, None, False, 224.0, torch.float32)
+    y = launch(kernels.linear.fp4_linear_kernel, prep.prepare_fp4_linear(*args)).T
+    expected = formats.dequantize_fp4(packed, scale, k, torch.float32)
+    # e2m1 0.5 (code 1, and -0.5, code 9) is e2m1's subnormal; times 2**-126 it is a bf16 denormal.
+    assert sorted({int(v) for v in nibbles[y != expected]}) == [1, 9]

@@ -127,7 +127,7 @@ def _core_span(n):
     return lo, min(n, lo + span)
 
 
-def _linear(x, weight, scale, bias, fmt, act_quant, act_peak, out_dtype, block=(32, 32)):
+def _linear(x, weight, scale, bias, fmt, act_quant, act_peak, out_dtype, block=(32, 32), post_scale=1.0):
     """The shared GEMM; see the module docstring for tiling and budgets."""
     m, k = x.shape
     n = weight.shape[0]
@@ -138,16 +138,14 @@ def _linear(x, weight, scale, bias, fmt, act_quant, act_peak, out_dtype, block=(
     for g0 in range(0, m_tiles, group):
         # One call per group, so a group's staged tiles are dead before the next is staged.
         _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, block,
-                      g0, min(m_tiles, g0 + group), n_lo, n_hi)
+                      g0, min(m_tiles, g0 + group), n_lo, n_hi, post_scale)
     return y
 
 
-def _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, block, mt_lo, mt_hi, n_lo, n_hi):
+def _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, block, mt_lo, mt_hi, n_lo, n_hi,
+                  post_scale):
     """``y[rows of M tiles mt_lo..mt_hi-1, n_lo:n_hi]`` for a group of M tiles staged together."""
     m, k = x.shape
-    post_scale = 1.0
-    if fmt == "fp4":
-        post_scale = FP4_POST_SCALE
     tiles = []
     for mi in range(mt_lo, mt_hi):
         rows = min(PT, m - mi * PT)
@@ -238,12 +236,15 @@ def fp4_linear_kernel(x, weight, scale, bias=None, act_quant=True, act_peak=224.
                 y <- round(acc * 2**32 + bias)
     """
     assert (not act_quant) or act_peak <= 240.0, "act_peak > 240: Trainium2's fp8 e4m3 saturates at 240"
-    return _linear(x, weight, scale, bias, "fp4", act_quant, act_peak, out_dtype)
+    return _linear(x, weight, scale, bias, "fp4", act_quant, act_peak, out_dtype, post_scale=FP4_POST_SCALE)
 
 
 @nki.jit
-def bf16_linear_kernel(x, weight, bias=None, out_dtype="bfloat16"):
-    """``y = round(x @ W.T + bias)``: ``x`` ``[M, K]`` bf16, ``weight`` ``[N, K]`` bf16, ``K % 32 == 0``.
+def bf16_linear_kernel(x, weight, bias=None, out_dtype="bfloat16", post_scale=1.0):
+    """``y = round(post_scale * (x @ W.T) + bias)``: ``x`` ``[M, K]`` bf16, ``weight`` ``[N, K]`` bf16, ``K % 32 == 0``.
+
+    ``post_scale`` (a power of two, exact) is 1 for ``bf16_linear``; the large-M fp4 path passes
+    ``2**32`` to undo the ``2**-32`` its decoded weight carries (:func:`fp4_dequant_kernel`).
 
     Tiling as :func:`fp8_linear_kernel`, without qdq or decode: x and W tiles
     (128 x 128) are DMA-transposed from HBM straight into the K-major tiles.
@@ -257,7 +258,7 @@ def bf16_linear_kernel(x, weight, bias=None, out_dtype="bfloat16"):
                     for each K tile, M tile:  nc_matmul(acc, aT, wT, accumulate=(kb > 0))
                 y <- round(acc + bias)
     """
-    return _linear(x, weight, None, bias, "bf16", False, 224.0, out_dtype)
+    return _linear(x, weight, None, bias, "bf16", False, 224.0, out_dtype, post_scale=post_scale)
 
 
 @nki.jit
@@ -277,3 +278,49 @@ def fp32w_linear_kernel(x, weight, bias=None, out_dtype="bfloat16"):
                 y <- round(acc + bias)
     """
     return _linear(x, weight, None, bias, "fp32w", False, 224.0, out_dtype)
+
+
+# --------------------------------------------------------------------------- #
+# large M: decode each weight tile once, into an HBM scratch
+# --------------------------------------------------------------------------- #
+
+
+def _dequant(weight, scale, fmt, block_rows, block_cols, k):
+    n = weight.shape[0]
+    w16 = nl.ndarray((n, k), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="w_bf16")
+    r_lo, r_hi = _core_span(n)
+    for row0 in range(r_lo, r_hi, PT):
+        rows = min(PT, r_hi - row0)
+        for c0 in range(0, k, K_CHUNK):
+            kc = min(K_CHUNK, k - c0)
+            if fmt == "fp8":
+                w = decode_fp8_tile(weight, scale, row0, rows, c0, kc, block_rows, block_cols)
+            else:
+                w = decode_fp4_tile(weight, scale, row0, rows, c0, kc)
+            nisa.dma_copy(dst=w16[row0:row0 + rows, c0:c0 + kc], src=w[:rows, 0:kc])
+    return w16
+
+
+@nki.jit
+def fp8_dequant_kernel(weight, scale, block_rows=32, block_cols=32):
+    """bf16 ``W`` ``[N, K]`` in HBM from e4m3 bytes ``[N, K]`` and e8m0 block codes, each tile decoded once.
+
+    The large-M fp8 path: the weight is decoded here once, then :func:`bf16_linear_kernel` runs the
+    GEMM over M in chunks (:mod:`.launch` ``GEMM_M_CHUNK``), instead of decoding every weight tile again
+    for every group of 4 M tiles. Exact for codes in ``[3, 134]`` (:mod:`.decode`).
+
+    Tiling: 128 weight rows x 512 K columns per step, rows split between LNC cores in whole 128-row
+    blocks. SBUF per partition: the decode's ~4.6 KiB (fp8). PSUM: none. Instructions per program:
+    ``~12 x ceil(N / 128 / lnc) x ceil(K / 512)``.
+    """
+    return _dequant(weight, scale, "fp8", block_rows, block_cols, weight.shape[1])
+
+
+@nki.jit
+def fp4_dequant_kernel(weight, scale):
+    """bf16 ``W * 2**-32`` ``[N, K]`` in HBM from packed e2m1 ``[N, K/2]`` and 1x32 e8m0 codes, decoded once.
+
+    As :func:`fp8_dequant_kernel`; the ``2**-32`` (:data:`.decode.FP4_POST_EXP`) keeps every factor
+    of the exact decode inside bf16 and is undone by the GEMM's ``post_scale=2**32``. SBUF ~2.8 KiB.
+    """
+    return _dequant(weight, scale, "fp4", 32, 32, 2 * weight.shape[1])
