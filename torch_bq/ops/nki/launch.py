@@ -60,8 +60,8 @@ GEMM_M_CHUNK = 1024
 
 # e8m0 codes whose weights the kernels' bf16 decode represents exactly (derived in
 # decode.py's docstring); a weight with a code outside is served by the reference.
-FP8_EXACT_CODES = (3, 134)  # scales 2**-124 .. 2**7
-FP4_EXACT_CODES = (27, 160)  # scales 2**-100 .. 2**33
+FP8_EXACT_CODES = (3, 246)  # scales 2**-124 .. 2**119
+FP4_EXACT_CODES = (1, 252)  # scales 2**-126 .. 2**125
 
 _OUT_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 

@@ -54,7 +54,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from .decode import FP4_POST_EXP, decode_fp4_tile, decode_fp8_tile, load_dense_tile
+from .decode import decode_fp4_tile, decode_fp8_tile, load_dense_tile
 from .qdq import QDQ_BLOCK, qdq_chunk
 
 PT = 128  # partitions; also the M and K tile
@@ -62,7 +62,6 @@ N_TILE = 512  # fp32 columns in one PSUM bank
 K_CHUNK = 512  # weight columns decoded per step
 STAGE_BYTES = 64 * 1024  # staged K-major activations per partition
 MAX_GROUP = 4  # PSUM banks for the accumulators of one M group (of 8)
-FP4_POST_SCALE = float(2**FP4_POST_EXP)  # a float constant: NKI integers are 32-bit
 
 
 def _out_dtype(name):
@@ -127,7 +126,7 @@ def _core_span(n):
     return lo, min(n, lo + span)
 
 
-def _linear(x, weight, scale, bias, fmt, act_quant, act_peak, out_dtype, block=(32, 32), post_scale=1.0):
+def _linear(x, weight, scale, bias, fmt, act_quant, act_peak, out_dtype, block=(32, 32)):
     """The shared GEMM; see the module docstring for tiling and budgets."""
     m, k = x.shape
     n = weight.shape[0]
@@ -138,12 +137,11 @@ def _linear(x, weight, scale, bias, fmt, act_quant, act_peak, out_dtype, block=(
     for g0 in range(0, m_tiles, group):
         # One call per group, so a group's staged tiles are dead before the next is staged.
         _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, block,
-                      g0, min(m_tiles, g0 + group), n_lo, n_hi, post_scale)
+                      g0, min(m_tiles, g0 + group), n_lo, n_hi)
     return y
 
 
-def _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, block, mt_lo, mt_hi, n_lo, n_hi,
-                  post_scale):
+def _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, block, mt_lo, mt_hi, n_lo, n_hi):
     """``y[rows of M tiles mt_lo..mt_hi-1, n_lo:n_hi]`` for a group of M tiles staged together."""
     m, k = x.shape
     tiles = []
@@ -174,13 +172,12 @@ def _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, block, mt
             m0, rows, _ = tiles[g]
             acc = accs[g]
             out_sb = nl.ndarray((PT, N_TILE), dtype=y.dtype, buffer=nl.sbuf, name="y_sb")
-            # One rounding: (acc * post_scale + bias) in fp32, cast once on write.
+            # One rounding: (acc + bias) in fp32, cast once on write.
             if bias != None:  # noqa: E711
-                nisa.scalar_tensor_tensor(dst=out_sb[:rows, :nt], data=acc[:rows, :nt], op0=nl.multiply,
-                                          operand0=post_scale, op1=nl.add, operand1=bias_sb[:rows, :nt])
+                nisa.tensor_tensor(dst=out_sb[:rows, :nt], data1=acc[:rows, :nt], data2=bias_sb[:rows, :nt],
+                                   op=nl.add)
             else:
-                nisa.tensor_scalar(dst=out_sb[:rows, :nt], data=acc[:rows, :nt], op0=nl.multiply,
-                                   operand0=post_scale)
+                nisa.tensor_copy(dst=out_sb[:rows, :nt], src=acc[:rows, :nt])
             nisa.dma_copy(dst=y[m0:m0 + rows, n0:n0 + nt], src=out_sb[:rows, :nt])
 
 
@@ -236,15 +233,15 @@ def fp4_linear_kernel(x, weight, scale, bias=None, act_quant=True, act_peak=224.
                 y <- round(acc * 2**32 + bias)
     """
     assert (not act_quant) or act_peak <= 240.0, "act_peak > 240: Trainium2's fp8 e4m3 saturates at 240"
-    return _linear(x, weight, scale, bias, "fp4", act_quant, act_peak, out_dtype, post_scale=FP4_POST_SCALE)
+    return _linear(x, weight, scale, bias, "fp4", act_quant, act_peak, out_dtype)
 
 
 @nki.jit
-def bf16_linear_kernel(x, weight, bias=None, out_dtype="bfloat16", post_scale=1.0):
-    """``y = round(post_scale * (x @ W.T) + bias)``: ``x`` ``[M, K]`` bf16, ``weight`` ``[N, K]`` bf16, ``K % 32 == 0``.
+def bf16_linear_kernel(x, weight, bias=None, out_dtype="bfloat16"):
+    """``y = round(x @ W.T + bias)``: ``x`` ``[M, K]`` bf16, ``weight`` ``[N, K]`` bf16, ``K % 32 == 0``.
 
-    ``post_scale`` (a power of two, exact) is 1 for ``bf16_linear``; the large-M fp4 path passes
-    ``2**32`` to undo the ``2**-32`` its decoded weight carries (:func:`fp4_dequant_kernel`).
+    Also the GEMM of the large-M fp8/fp4 path, over the weight :func:`fp8_dequant_kernel` /
+    :func:`fp4_dequant_kernel` decoded into HBM and the activations ``qdq_fp8_kernel`` rounded.
 
     Tiling as :func:`fp8_linear_kernel`, without qdq or decode: x and W tiles
     (128 x 128) are DMA-transposed from HBM straight into the K-major tiles.
@@ -258,7 +255,7 @@ def bf16_linear_kernel(x, weight, bias=None, out_dtype="bfloat16", post_scale=1.
                     for each K tile, M tile:  nc_matmul(acc, aT, wT, accumulate=(kb > 0))
                 y <- round(acc + bias)
     """
-    return _linear(x, weight, None, bias, "bf16", False, 224.0, out_dtype, post_scale=post_scale)
+    return _linear(x, weight, None, bias, "bf16", False, 224.0, out_dtype)
 
 
 @nki.jit
@@ -307,20 +304,19 @@ def fp8_dequant_kernel(weight, scale, block_rows=32, block_cols=32):
 
     The large-M fp8 path: the weight is decoded here once, then :func:`bf16_linear_kernel` runs the
     GEMM over M in chunks (:mod:`.launch` ``GEMM_M_CHUNK``), instead of decoding every weight tile again
-    for every group of 4 M tiles. Exact for codes in ``[3, 134]`` (:mod:`.decode`).
+    for every group of 4 M tiles. Exact for codes in ``[3, 246]`` (:mod:`.decode`).
 
     Tiling: 128 weight rows x 512 K columns per step, rows split between LNC cores in whole 128-row
-    blocks. SBUF per partition: the decode's ~4.6 KiB (fp8). PSUM: none. Instructions per program:
-    ``~12 x ceil(N / 128 / lnc) x ceil(K / 512)``.
+    blocks. SBUF per partition: the decode's ~15.6 KiB. PSUM: none. Instructions per program:
+    ``~16 x ceil(N / 128 / lnc) x ceil(K / 512)``.
     """
     return _dequant(weight, scale, "fp8", block_rows, block_cols, weight.shape[1])
 
 
 @nki.jit
 def fp4_dequant_kernel(weight, scale):
-    """bf16 ``W * 2**-32`` ``[N, K]`` in HBM from packed e2m1 ``[N, K/2]`` and 1x32 e8m0 codes, decoded once.
+    """bf16 ``W`` ``[N, K]`` in HBM from packed e2m1 ``[N, K/2]`` and 1x32 e8m0 codes, each tile decoded once.
 
-    As :func:`fp8_dequant_kernel`; the ``2**-32`` (:data:`.decode.FP4_POST_EXP`) keeps every factor
-    of the exact decode inside bf16 and is undone by the GEMM's ``post_scale=2**32``. SBUF ~2.8 KiB.
+    As :func:`fp8_dequant_kernel`; exact for codes in ``[1, 252]``. SBUF ~16.3 KiB.
     """
     return _dequant(weight, scale, "fp4", 32, 32, 2 * weight.shape[1])
