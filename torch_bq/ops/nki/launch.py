@@ -36,6 +36,7 @@ __all__ = [
     "GEMM_M_CHUNK",
     "KernelLaunch",
     "decode_once",
+    "dequant_rows",
     "check_act_peak",
     "prepare_fp8_linear",
     "prepare_fp4_linear",
@@ -57,6 +58,9 @@ INSTRUCTION_BUDGET = 20_000
 # At or below it the fused kernels decode each weight tile in SBUF right before its matmuls.
 DECODE_M_MAX = 512
 GEMM_M_CHUNK = 1024
+# The dequant kernels issue ~19 (fp8) / ~18 (fp4) instructions per 128 x 512 weight tile (measured on
+# the stand-in, docs/nki.md); dequant_rows() sizes each launch's share of N rows from this.
+DEQUANT_TILE_INSTRUCTIONS = 20
 
 # e8m0 codes whose weights the kernels' bf16 decode represents exactly (derived in
 # decode.py's docstring); a weight with a code outside is served by the reference.
@@ -85,6 +89,13 @@ class KernelLaunch:
     out_dtype: torch.dtype = torch.bfloat16
     fallback: Optional[str] = None
     guards: list = field(default_factory=list)
+
+
+def dequant_rows(k: int) -> int:
+    """Weight rows per dequant launch: whole 128-row blocks whose tiles fit the budget on one core."""
+    tiles_per_block = -(-k // 512)
+    blocks = max(1, (9 * INSTRUCTION_BUDGET // 10) // (DEQUANT_TILE_INSTRUCTIONS * tiles_per_block))
+    return 128 * blocks
 
 
 def decode_once(launch: KernelLaunch) -> bool:
