@@ -152,16 +152,21 @@ def register_neuron_kernels() -> bool:
         return lambda *args: op(*args, lnc)
 
     def decode_once_gemm(launch, w16):
-        """Large M: qdq once, then the bf16 GEMM over the decoded weight, GEMM_M_CHUNK rows per launch."""
+        """Large M: qdq once, then the bf16 GEMM over the decoded weight in launches of gemm_chunks() each."""
         x2, bias = launch.tensors[0], launch.tensors[3]
         opts = launch.options
         a = with_lnc(nki_qdq_fp8)(x2, opts["act_peak"]) if opts["act_quant"] else x2
         gemm = with_lnc(nki_bf16_linear)
-        chunks = []
-        for m0 in range(0, a.shape[0], prep.GEMM_M_CHUNK):
-            chunk = a[m0:m0 + prep.GEMM_M_CHUNK].contiguous()
-            chunks.append(gemm(chunk, w16, bias, opts["out_dtype"]))
-        return torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+        rows, cols = prep.gemm_chunks(w16.shape[0], w16.shape[1])
+        row_blocks = []
+        for m0 in range(0, a.shape[0], rows):
+            chunk = a[m0:m0 + rows].contiguous()
+            parts = []
+            for n0 in range(0, w16.shape[0], cols):
+                b = None if bias is None else bias[:, n0:n0 + cols].contiguous()
+                parts.append(gemm(chunk, w16[n0:n0 + cols].contiguous(), b, opts["out_dtype"]))
+            row_blocks.append(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+        return torch.cat(row_blocks) if len(row_blocks) > 1 else row_blocks[0]
 
     def dequant(op, launch, *options):
         """The weight decoded once into HBM, dequant_rows(K) weight rows per launch (each within the budget)."""
