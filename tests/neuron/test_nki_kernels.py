@@ -347,7 +347,7 @@ def test_leading_dims_and_input_dtype_are_flattened_like_the_op(kernels):
 # budgets (the stand-in's bookkeeping) match the kernel docstrings
 # --------------------------------------------------------------------------- #
 
-_DOCUMENTED_SBUF_BOUND = 80 * 1024  # linear.py's budget table: <= ~80 KiB a partition
+_DOCUMENTED_SBUF_BOUND = 92 * 1024  # linear.py's budget table: <= ~92 KiB a partition
 
 
 def test_sbuf_peak_within_documented_budget(kernels, shim_only):
