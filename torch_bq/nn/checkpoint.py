@@ -11,7 +11,7 @@ Files are opened with ``safetensors.safe_open``; only the tensors a caller asks
 for are read, and :meth:`CheckpointReader.get_slice` reads one expert of a
 stacked tensor without reading the others.
 
-Layouts recognised for a layer ``prefix`` (SPEC.md §1 gives the math):
+Layouts recognised for a layer ``prefix`` (docs/contract.md §1 gives the math):
 
 ==================  ====================================================  =====================
 layout              tensors                                               format
@@ -745,7 +745,7 @@ def read_linear(
         ``rows``/``cols`` its ``layout`` carries the shard's ``out_features``/``in_features``.
 
     Raises:
-        CheckpointError: a tensor is unreadable or holds NaN codes (SPEC.md §1), or a
+        CheckpointError: a tensor is unreadable or holds NaN codes (docs/contract.md §1), or a
             shard boundary splits a scale block.
     """
     if region is not None and (rows is not None or cols is not None):

@@ -306,7 +306,7 @@ def convert_checkpoint(
     """Quantize a bf16/fp16/fp32 safetensors checkpoint into our layout, one shard at a time.
 
     Each 2-D floating ``*.weight`` whose name matches ``include`` (default: all) and
-    not ``exclude`` becomes ``{p}.weight`` + ``{p}.weight_scale`` (SPEC.md §2
+    not ``exclude`` becomes ``{p}.weight`` + ``{p}.weight_scale`` (docs/contract.md §2
     quantizers); every other tensor is copied unchanged. Output shard ``i`` holds
     the converted tensors of input shard ``i``, so at most one input shard's
     worth of quantized tensors plus one float tensor is in memory. ``dst`` gets
