@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _core, isa, language  # noqa: F401
+from . import _core, _subset, isa, language, rules  # noqa: F401
 from ._core import NkiShimError, NkiTensor
 
 __torch_bq_stand_in__ = True  # lets torch_bq's capability check refuse the stand-in
@@ -44,6 +44,9 @@ class Kernel:
         return Kernel(self.fn, int(lnc))
 
     def __call__(self, *args, **kwargs):
+        if _core.Launch.current is not None:
+            raise NkiShimError(f"{rules.tag('py-decorated-helper')} the @nki.jit kernel {self.__name__} is called "
+                               "from inside a kernel; call a plain helper function instead")
         return simulate(self)(*args, **kwargs)
 
 
@@ -85,6 +88,13 @@ def simulate(kernel):
 
     def run(*args, **kwargs):
         global last_launch
+        # What the NKI compiler refuses, refused before anything runs (rules.py: py-*).
+        _subset.check_signature(kernel.fn)
+        _subset.check_function(kernel.fn, is_kernel=True)
+        for name, value in (*enumerate(args), *kwargs.items()):
+            if isinstance(value, list):
+                raise NkiShimError(f"{rules.tag('py-list-arg')} {kernel.__name__}: argument {name} is a list; "
+                                   "pass a tuple")
         torch = _torch()
         as_torch = torch is not None and any(isinstance(v, torch.Tensor) for v in (*args, *kwargs.values()))
         args = [_to_numpy(v) if torch is not None and isinstance(v, torch.Tensor) else v for v in args]

@@ -58,7 +58,10 @@ class KernelLaunch:
 
     ``kernel`` is ``None`` when there is nothing to compute (``M == 0`` or ``N == 0``);
     ``fallback`` names why the reference must serve instead (a layout the kernels
-    do not implement), else ``None``.
+    do not implement, or scale codes they cannot decode exactly), else ``None``.
+    ``guards``: when the arguments are being traced (``torch.compile``), the scale
+    codes cannot be read, so each ``(codes, (lo, hi), op)`` here must be checked on
+    the device instead (see :func:`torch_bq.ops.nki.register`).
     """
 
     kernel: Optional[str]
@@ -67,6 +70,7 @@ class KernelLaunch:
     out_shape: tuple = ()
     out_dtype: torch.dtype = torch.bfloat16
     fallback: Optional[str] = None
+    guards: list = field(default_factory=list)
 
 
 def check_act_peak(act_quant: bool, act_peak: float) -> None:
@@ -110,7 +114,7 @@ def _codes_outside(codes: torch.Tensor, exact: tuple[int, int]) -> Optional[str]
     """
     if codes.numel() == 0:
         return None
-    lo, hi = int(codes.min()), int(codes.max())
+    lo, hi = int(codes.min().item()), int(codes.max().item())
     if exact[0] <= lo and hi <= exact[1]:
         return None
     return f"e8m0 scale codes {lo}..{hi} outside {exact[0]}..{exact[1]}, which the kernel decodes exactly"
@@ -125,6 +129,7 @@ def prepare_fp8_linear(
     act_quant: bool,
     act_peak: float,
     out_dtype: torch.dtype,
+    tracing: bool = False,
 ) -> KernelLaunch:
     """Check and lay out ``fp8_linear``'s arguments for ``fp8_linear_kernel``.
 
@@ -134,7 +139,8 @@ def prepare_fp8_linear(
     512} dividing ``K``; float32 (DeepSeek) scales or other blocks are served by the
     reference (``fallback`` set): a float32 scale need not be a power of two, so the
     decoded weight would not be exact in bf16. So are scale codes outside
-    ``FP8_EXACT_CODES``.
+    ``FP8_EXACT_CODES``, which are read here (one host sync) unless ``tracing``,
+    where the range check becomes a device-side guard (``KernelLaunch.guards``).
     """
     ref.check_fp8_linear_args(x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
     check_act_peak(act_quant, act_peak)
@@ -147,7 +153,7 @@ def prepare_fp8_linear(
         launch = _launch(None, x, n, (), {}, out_dtype)
         launch.fallback = f"fp8 block {(bn, bk)} with {scale.dtype} scales for K={k}"
         return launch
-    out_of_range = _codes_outside(formats.as_e8m0_codes(scale), FP8_EXACT_CODES)
+    out_of_range = None if tracing else _codes_outside(formats.as_e8m0_codes(scale), FP8_EXACT_CODES)
     if out_of_range is not None:
         launch = _launch(None, x, n, (), {}, out_dtype)
         launch.fallback = out_of_range
@@ -161,6 +167,8 @@ def prepare_fp8_linear(
     options = {"act_quant": bool(act_quant), "act_peak": float(act_peak)}
     launch = _launch("fp8_linear_kernel", x, n, tensors, options, out_dtype)
     launch.options.update(block_rows=bn, block_cols=bk)
+    if tracing:
+        launch.guards.append((tensors[2], FP8_EXACT_CODES, "fp8_linear"))
     return launch
 
 
@@ -172,16 +180,18 @@ def prepare_fp4_linear(
     act_quant: bool,
     act_peak: float,
     out_dtype: torch.dtype,
+    tracing: bool = False,
 ) -> KernelLaunch:
     """Check and lay out ``fp4_linear``'s arguments; ``K`` must be a multiple of 64.
 
-    Scale codes outside ``FP4_EXACT_CODES`` are served by the reference (``fallback`` set).
+    Scale codes outside ``FP4_EXACT_CODES`` are served by the reference (``fallback`` set);
+    when ``tracing`` they cannot be read and become a device-side guard instead.
     """
     ref.check_fp4_linear_args(x, weight, scale, bias, act_quant, act_peak, out_dtype)
     check_act_peak(act_quant, act_peak)
     k = x.shape[-1]
     _check_k(k, 64, "fp4_linear")
-    out_of_range = _codes_outside(formats.as_e8m0_codes(scale), FP4_EXACT_CODES)
+    out_of_range = None if tracing else _codes_outside(formats.as_e8m0_codes(scale), FP4_EXACT_CODES)
     if out_of_range is not None:
         launch = _launch(None, x, weight.shape[0], (), {}, out_dtype)
         launch.fallback = out_of_range
@@ -193,7 +203,10 @@ def prepare_fp4_linear(
         _bias_row(bias),
     )
     options = {"act_quant": bool(act_quant), "act_peak": float(act_peak)}
-    return _launch("fp4_linear_kernel", x, weight.shape[0], tensors, options, out_dtype)
+    launch = _launch("fp4_linear_kernel", x, weight.shape[0], tensors, options, out_dtype)
+    if tracing:
+        launch.guards.append((tensors[2], FP4_EXACT_CODES, "fp4_linear"))
+    return launch
 
 
 def prepare_dense_linear(

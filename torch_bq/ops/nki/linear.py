@@ -62,8 +62,16 @@ N_TILE = 512  # fp32 columns in one PSUM bank
 K_CHUNK = 512  # weight columns decoded per step
 STAGE_BYTES = 64 * 1024  # staged K-major activations per partition
 MAX_GROUP = 4  # PSUM banks for the accumulators of one M group (of 8)
-# Kernel arguments stay plain strings; NKI dictionaries take string keys.
-_OUT_DTYPES = {"bfloat16": nl.bfloat16, "float16": nl.float16, "float32": nl.float32}
+FP4_POST_SCALE = float(2**FP4_POST_EXP)  # a float constant: NKI integers are 32-bit
+
+
+def _out_dtype(name):
+    """The nl dtype for an ``out_dtype`` name (kernel arguments stay plain strings)."""
+    if name == "float32":
+        return nl.float32
+    if name == "float16":
+        return nl.float16
+    return nl.bfloat16
 
 
 def _cdiv(a, b):
@@ -97,20 +105,16 @@ def _weight_chunk(fmt, weight, scale, n0, nt, c0, kc, block):
         rows = min(PT, nt - r0)
         row0 = n0 + r0
         if fmt == "bf16":
-            w = None  # already bf16 in HBM: transpose straight from there
+            w = weight[row0:row0 + rows, c0:c0 + kc]  # already bf16 in HBM: transpose straight from there
         elif fmt == "fp8":
-            w = decode_fp8_tile(weight, scale, row0, rows, c0, kc, block[0], block[1])
+            w = decode_fp8_tile(weight, scale, row0, rows, c0, kc, block[0], block[1])[:rows]
         elif fmt == "fp4":
-            w = decode_fp4_tile(weight, scale, row0, rows, c0, kc)
+            w = decode_fp4_tile(weight, scale, row0, rows, c0, kc)[:rows]
         else:
-            w = load_dense_tile(weight, row0, rows, c0, kc)
+            w = load_dense_tile(weight, row0, rows, c0, kc)[:rows]
         for j in range(_cdiv(kc, PT)):
             kt = min(PT, kc - j * PT)
-            if w is None:
-                src = weight[row0:row0 + rows, c0 + j * PT:c0 + j * PT + kt]
-            else:
-                src = w[:rows, j * PT:j * PT + kt]
-            nisa.dma_transpose(dst=w_t[:kt, j, r0:r0 + rows], src=src)
+            nisa.dma_transpose(dst=w_t[:kt, j, r0:r0 + rows], src=w[:, j * PT:j * PT + kt])
     return w_t
 
 
@@ -127,29 +131,33 @@ def _linear(x, weight, scale, bias, fmt, act_quant, act_peak, out_dtype, block=(
     """The shared GEMM; see the module docstring for tiling and budgets."""
     m, k = x.shape
     n = weight.shape[0]
-    y = nl.ndarray((m, n), dtype=_OUT_DTYPES[out_dtype], buffer=nl.shared_hbm, name="y")
+    y = nl.ndarray((m, n), dtype=_out_dtype(out_dtype), buffer=nl.shared_hbm, name="y")
     n_lo, n_hi = _core_span(n)
     m_tiles = _cdiv(m, PT)
     group = max(1, min(MAX_GROUP, STAGE_BYTES // (2 * PT * _cdiv(k, PT))))
     for g0 in range(0, m_tiles, group):
         # One call per group, so a group's staged tiles are dead before the next is staged.
         _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, block,
-                      range(g0, min(m_tiles, g0 + group)), n_lo, n_hi)
+                      g0, min(m_tiles, g0 + group), n_lo, n_hi)
     return y
 
 
-def _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, block, m_tile_ids, n_lo, n_hi):
-    """``y[rows of the group, n_lo:n_hi]`` for a group of M tiles staged together."""
+def _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, block, mt_lo, mt_hi, n_lo, n_hi):
+    """``y[rows of M tiles mt_lo..mt_hi-1, n_lo:n_hi]`` for a group of M tiles staged together."""
     m, k = x.shape
-    post_scale = float(2 ** FP4_POST_EXP) if fmt == "fp4" else 1.0
+    post_scale = 1.0
+    if fmt == "fp4":
+        post_scale = FP4_POST_SCALE
     tiles = []
-    for mi in m_tile_ids:
+    for mi in range(mt_lo, mt_hi):
         rows = min(PT, m - mi * PT)
         tiles.append((mi * PT, rows, _stage_activation(x, mi * PT, rows, k, act_quant, act_peak)))
 
     for n0 in range(n_lo, n_hi, N_TILE):
         nt = min(N_TILE, n_hi - n0)
-        accs = [nl.ndarray((PT, N_TILE), dtype=nl.float32, buffer=nl.psum, name="acc") for _ in tiles]
+        accs = []
+        for g in range(len(tiles)):
+            accs.append(nl.ndarray((PT, N_TILE), dtype=nl.float32, buffer=nl.psum, name="acc"))
         for c0 in range(0, k, K_CHUNK):
             kc = min(K_CHUNK, k - c0)
             w_t = _weight_chunk(fmt, weight, scale, n0, nt, c0, kc, block)
@@ -161,7 +169,7 @@ def _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, block, m_
                     nisa.nc_matmul(dst=accs[g][:rows, :nt], stationary=a_t[:kt, kb, :rows],
                                    moving=w_t[:kt, j, :nt], accumulate=(kb > 0))
 
-        if bias is not None:
+        if bias != None:  # noqa: E711  (NKI has no `is`)
             bias_sb = nl.ndarray((PT, N_TILE), dtype=nl.float32, buffer=nl.sbuf, name="bias")
             nisa.dma_copy(dst=bias_sb[:, :nt], src=bias[0:1, n0:n0 + nt].broadcast(0, PT))
         for g in range(len(tiles)):
@@ -169,7 +177,7 @@ def _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, block, m_
             acc = accs[g]
             out_sb = nl.ndarray((PT, N_TILE), dtype=y.dtype, buffer=nl.sbuf, name="y_sb")
             # One rounding: (acc * post_scale + bias) in fp32, cast once on write.
-            if bias is not None:
+            if bias != None:  # noqa: E711
                 nisa.scalar_tensor_tensor(dst=out_sb[:rows, :nt], data=acc[:rows, :nt], op0=nl.multiply,
                                           operand0=post_scale, op1=nl.add, operand1=bias_sb[:rows, :nt])
             else:
@@ -204,8 +212,7 @@ def fp8_linear_kernel(x, weight, scale, bias=None, act_quant=True, act_peak=224.
                     for each K tile, M tile:  nc_matmul(acc, aT, wT, accumulate=(kb > 0))
                 y <- round(acc + bias)
     """
-    if act_quant and act_peak > 240.0:
-        raise ValueError(f"act_peak={act_peak}: Trainium2's fp8 e4m3 saturates at 240")
+    assert (not act_quant) or act_peak <= 240.0, "act_peak > 240: Trainium2's fp8 e4m3 saturates at 240"
     return _linear(x, weight, scale, bias, "fp8", act_quant, act_peak, out_dtype, (block_rows, block_cols))
 
 
@@ -230,8 +237,7 @@ def fp4_linear_kernel(x, weight, scale, bias=None, act_quant=True, act_peak=224.
                     for each K tile, M tile:  nc_matmul(acc, aT, wT, accumulate=(kb > 0))
                 y <- round(acc * 2**32 + bias)
     """
-    if act_quant and act_peak > 240.0:
-        raise ValueError(f"act_peak={act_peak}: Trainium2's fp8 e4m3 saturates at 240")
+    assert (not act_quant) or act_peak <= 240.0, "act_peak > 240: Trainium2's fp8 e4m3 saturates at 240"
     return _linear(x, weight, scale, bias, "fp4", act_quant, act_peak, out_dtype)
 
 
