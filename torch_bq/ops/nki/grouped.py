@@ -1,0 +1,191 @@
+"""NKI kernels for ``torch_bq::fp8_grouped_linear`` / ``fp4_grouped_linear``: all experts in one launch.
+
+Importing this module imports ``nki``; only the neuron registration and the tests do so.
+Arguments arrive laid out by :mod:`torch_bq.ops.nki.grouped_launch`. Each expert's rows get
+exactly the dense kernels' math (docs/contract.md §4): the same activation round trip
+(:func:`.qdq.qdq_chunk`), the same exact weight decode (:mod:`.decode`), fp32 PSUM sums and
+one rounding, so a grouped result differs from the reference only by fp32 summation order.
+
+Routing is data: the kernel reads each expert's row range from ``bounds`` at run time and
+runs a dynamic loop (``nl.dynamic_range`` over a register) over that expert's 128-row tiles,
+so an expert with no rows runs no iteration and its weight is never read or decoded. Rows
+are gathered and the results scattered with indirect DMA (one row index per partition);
+rows of a tile past the expert's end carry the out-of-bounds index ``T`` and are skipped.
+"""
+
+from __future__ import annotations
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+from .decode import FP4_POST_EXP, decode_fp4_tile, decode_fp8_tile
+from .qdq import QDQ_BLOCK, qdq_chunk
+
+PT = 128  # partitions: rows per tile, K tile
+N_TILE = 512  # fp32 columns in one PSUM bank
+K_CHUNK = 512  # weight columns decoded (and activation columns round-tripped) per step
+FP4_POST_SCALE = float(2**FP4_POST_EXP)
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _out_dtype(name):
+    if name == "float32":
+        return nl.float32
+    if name == "float16":
+        return nl.float16
+    return nl.bfloat16
+
+
+def _stage_rows(x, rows_idx, k, act_quant, act_peak):
+    """``[PT, KT, PT]`` bf16: ``A`` of the tile's rows (gathered by ``rows_idx``), transposed K-major."""
+    a_t = nl.ndarray((PT, _cdiv(k, PT), PT), dtype=nl.bfloat16, buffer=nl.sbuf, name="grp_act_T")
+    for c0 in range(0, k, K_CHUNK):
+        kc = min(K_CHUNK, k - c0)
+        nb = kc // QDQ_BLOCK
+        x_sb = nl.ndarray((PT, nb, QDQ_BLOCK), dtype=nl.bfloat16, buffer=nl.sbuf, name="grp_x")
+        nisa.memset(dst=x_sb, value=0.0)  # skipped rows (past the expert) stay 0: finite through qdq
+        nisa.dma_copy(dst=x_sb, src=x.ap(pattern=[[k, PT], [1, kc]], offset=c0, vector_offset=rows_idx,
+                                         indirect_dim=0), oob_mode=nisa.oob_mode.skip)
+        src = x_sb.reshape((PT, kc))
+        if act_quant:
+            src = qdq_chunk(x_sb, PT, nb, act_peak).reshape((PT, kc))
+        for k0 in range(c0, c0 + kc, PT):
+            kt = min(PT, k - k0)
+            nisa.dma_transpose(dst=a_t[:kt, k0 // PT, :], src=src[:, k0 - c0:k0 - c0 + kt])
+    return a_t
+
+
+def _expert_tile(x, weight, scale, bias, y, e, rows_idx, fmt, act_quant, act_peak, out_dtype, block, n_lo, n_hi):
+    """``y[rows_idx, n_lo:n_hi] = round(A @ W_e.T * post + bias_e)`` for one 128-row tile of expert ``e``."""
+    k = x.shape[1]
+    w_e = weight[e]
+    s_e = scale[e]
+    post_scale = 1.0
+    if fmt == "fp4":
+        post_scale = FP4_POST_SCALE
+    a_t = _stage_rows(x, rows_idx, k, act_quant, act_peak)
+    for n0 in range(n_lo, n_hi, N_TILE):
+        nt = min(N_TILE, n_hi - n0)
+        acc = nl.ndarray((PT, N_TILE), dtype=nl.float32, buffer=nl.psum, name="grp_acc")
+        for c0 in range(0, k, K_CHUNK):
+            kc = min(K_CHUNK, k - c0)
+            w_t = nl.ndarray((PT, K_CHUNK // PT, N_TILE), dtype=nl.bfloat16, buffer=nl.sbuf, name="grp_w_T")
+            for r0 in range(0, nt, PT):
+                rows = min(PT, nt - r0)
+                if fmt == "fp8":
+                    w = decode_fp8_tile(w_e, s_e, n0 + r0, rows, c0, kc, block[0], block[1])[:rows]
+                else:
+                    w = decode_fp4_tile(w_e, s_e, n0 + r0, rows, c0, kc)[:rows]
+                for j in range(_cdiv(kc, PT)):
+                    kt = min(PT, kc - j * PT)
+                    nisa.dma_transpose(dst=w_t[:kt, j, r0:r0 + rows], src=w[:, j * PT:j * PT + kt])
+            for j in range(_cdiv(kc, PT)):
+                kb = c0 // PT + j
+                kt = min(PT, k - kb * PT)
+                nisa.nc_matmul(dst=acc[:, :nt], stationary=a_t[:kt, kb, :], moving=w_t[:kt, j, :nt],
+                               accumulate=(kb > 0))
+        out_sb = nl.ndarray((PT, N_TILE), dtype=_out_dtype(out_dtype), buffer=nl.sbuf, name="grp_y")
+        if bias != None:  # noqa: E711  (NKI has no `is`)
+            bias_sb = nl.ndarray((PT, N_TILE), dtype=nl.float32, buffer=nl.sbuf, name="grp_bias")
+            nisa.dma_copy(dst=bias_sb[:, :nt], src=bias[e:e + 1, n0:n0 + nt].broadcast(0, PT))
+            nisa.scalar_tensor_tensor(dst=out_sb[:, :nt], data=acc[:, :nt], op0=nl.multiply, operand0=post_scale,
+                                      op1=nl.add, operand1=bias_sb[:, :nt])
+        else:
+            nisa.tensor_scalar(dst=out_sb[:, :nt], data=acc[:, :nt], op0=nl.multiply, operand0=post_scale)
+        n = y.shape[1]
+        nisa.dma_copy(dst=y.ap(pattern=[[n, PT], [1, nt]], offset=n0, vector_offset=rows_idx, indirect_dim=0),
+                      src=out_sb[:, :nt], oob_mode=nisa.oob_mode.skip)
+
+
+def _grouped(x, weight, scale, bounds, bias, fmt, act_quant, act_peak, out_dtype, block):
+    """The shared body: one static loop over experts, a dynamic loop over each expert's row tiles."""
+    t, k = x.shape
+    n_experts, n, _ = weight.shape
+    y = nl.ndarray((t, n), dtype=_out_dtype(out_dtype), buffer=nl.shared_hbm, name="grp_out")
+    # This core's columns of N: whole 128-column groups (as the dense kernels split under LNC=2).
+    span = _cdiv(_cdiv(n, PT), nl.num_programs(0)) * PT
+    n_lo = min(n, nl.program_id(0) * span)
+    n_hi = min(n, n_lo + span)
+
+    # bounds[0, e] / bounds[1, e]: first row and end of expert e, on every partition.
+    se = nl.ndarray((PT, 2, n_experts), dtype=nl.int32, buffer=nl.sbuf, name="grp_bounds")
+    nisa.dma_copy(dst=se, src=bounds.reshape((1, 2, n_experts)).broadcast(0, PT))
+    tiles = nl.ndarray((1, n_experts), dtype=nl.int32, buffer=nl.sbuf, name="grp_tiles")
+    # ceil((end - start) / 128): int32 subtraction on GpSimd, + 127 in fp32 (exact below 2**24), >> 7.
+    nisa.tensor_tensor(dst=tiles, data1=se[0:1, 1, :], data2=se[0:1, 0, :], op=nl.subtract)
+    nisa.tensor_scalar(dst=tiles, data=tiles, op0=nl.add, operand0=float(PT - 1))
+    nisa.tensor_scalar(dst=tiles, data=tiles, op0=nl.right_shift, operand0=7)
+    lane = nl.ndarray((PT, 1), dtype=nl.int32, buffer=nl.sbuf, name="grp_lane")
+    nisa.iota(dst=lane, pattern=[[0, 1]], offset=0, channel_multiplier=1)
+
+    for e in range(n_experts):
+        idx = nl.ndarray((PT, 1), dtype=nl.int32, buffer=nl.sbuf, name="grp_idx")
+        nisa.tensor_tensor(dst=idx, data1=lane, data2=se[:, 0, e:e + 1], op=nl.add)
+        count = nisa.register_alloc()
+        nisa.register_load(count, tiles[0:1, e:e + 1])
+        for _ in nl.dynamic_range(count):  # 0 iterations for an expert without rows
+            # Rows past the expert's end -> index T (out of bounds): not gathered, not written.
+            inside = nl.ndarray((PT, 1), dtype=nl.int32, buffer=nl.sbuf, name="grp_inside")
+            nisa.tensor_tensor(dst=inside, data1=idx, data2=se[:, 1, e:e + 1], op=nl.less)
+            rows_idx = nl.ndarray((PT, 1), dtype=nl.int32, buffer=nl.sbuf, name="grp_rows")
+            nisa.tensor_scalar(dst=rows_idx, data=idx, op0=nl.subtract, operand0=float(t))
+            nisa.tensor_tensor(dst=rows_idx, data1=rows_idx, data2=inside, op=nl.multiply)
+            nisa.tensor_scalar(dst=rows_idx, data=rows_idx, op0=nl.add, operand0=float(t))
+            _expert_tile(x, weight, scale, bias, y, e, rows_idx, fmt, act_quant, act_peak, out_dtype, block,
+                         n_lo, n_hi)
+            nisa.tensor_scalar(dst=idx, data=idx, op0=nl.add, operand0=float(PT))
+    return y
+
+
+@nki.jit
+def fp8_grouped_linear_kernel(x, weight, scale, bounds, bias=None, act_quant=True, act_peak=224.0,
+                              out_dtype="bfloat16", block_rows=32, block_cols=32):
+    """Rows ``bounds[0, e]:bounds[1, e]`` of ``x`` through expert ``e``'s fp8 linear, every expert, one launch.
+
+    Args (HBM): ``x`` ``[T, K]`` bf16 (rows sorted by expert); ``weight`` ``[E, N, K]`` uint8
+    (e4m3fn bytes); ``scale`` ``[E, ceil(N/bn), K/bk]`` uint8 e8m0 codes (exact for codes in
+    ``[3, 134]``); ``bounds`` ``[2, E]`` int32 (first row, end row of each expert: every row of
+    ``x`` in exactly one range); ``bias`` ``[E, N]`` fp32 or ``None``. ``K % 32 == 0``, ``T < 2**24``;
+    blocks as :func:`.linear.fp8_linear_kernel`. Returns ``[T, N]`` of ``out_dtype``.
+
+    Tiling: for each expert (static loop), for each of its 128-row tiles (dynamic loop,
+    trip count ``ceil(rows_e / 128)`` loaded into a register)::
+
+        idx  <- row indices of the tile (T past the expert's end)
+        aT   <- transpose(qdq(gather(x, idx)))   per 512-column chunk, K-major [128, K/128, 128]
+        for each N tile (512) of this core's span:
+            for each K chunk: wT <- transpose(decode_fp8(W_e rows, chunk)); nc_matmul(acc, aT, wT)
+            scatter(y, idx) <- round(acc + bias_e)
+
+    SBUF per partition: staged A ``2 K`` B (<= 64 KiB at K = 32768; 14 KiB at K = 7168), qdq
+    3.8 KiB, decode 4.6 KiB, wT 4 KiB, bias + output 4 KiB, bounds ``8 E`` B: <= ~82 KiB.
+    PSUM: one 2 KiB bank (one row tile at a time).
+
+    Instructions: the loop body is emitted once per expert (dynamic loops are not unrolled):
+    ``~E x (10 + ceil(K/512) x (~16 + qdq) + ceil(N/512) x ceil(K/512) x (4 x ~12 + 4 + 4) + ...)``;
+    weight decode dominates: about ``E x N K / 65536 x 56`` (E = 8, N = K = 512: ~1,000;
+    E = 8, N = 1024, K = 2048: ~2,100 per expert). Under LNC=2 each core takes half of N.
+    """
+    assert (not act_quant) or act_peak <= 240.0, "act_peak > 240: Trainium2's fp8 e4m3 saturates at 240"
+    return _grouped(x, weight, scale, bounds, bias, "fp8", act_quant, act_peak, out_dtype, (block_rows, block_cols))
+
+
+@nki.jit
+def fp4_grouped_linear_kernel(x, weight, scale, bounds, bias=None, act_quant=True, act_peak=224.0,
+                              out_dtype="bfloat16"):
+    """Rows ``bounds[0, e]:bounds[1, e]`` of ``x`` through expert ``e``'s MXFP4 linear (W4A8 by default).
+
+    Args (HBM): ``x`` ``[T, K]`` bf16; ``weight`` ``[E, N, K/2]`` uint8 (element ``2j`` in the low
+    nibble of byte ``j``); ``scale`` ``[E, N, K/32]`` uint8 e8m0 codes (exact for ``[27, 160]``);
+    ``bounds``, ``bias`` as :func:`fp8_grouped_linear_kernel`. ``K % 64 == 0``.
+
+    Tiling, SBUF/PSUM and instruction counts as :func:`fp8_grouped_linear_kernel`, with the
+    fp4 decode (:func:`.decode.decode_fp4_tile`, 2.8 KiB) leaving ``2**-32`` in each weight
+    tile and the PSUM result multiplied by ``2**32`` (exact) with the bias add.
+    """
+    assert (not act_quant) or act_peak <= 240.0, "act_peak > 240: Trainium2's fp8 e4m3 saturates at 240"
+    return _grouped(x, weight, scale, bounds, bias, "fp4", act_quant, act_peak, out_dtype, (32, 32))
