@@ -66,7 +66,7 @@ def _on_stand_in(code: str, env_extra=None) -> dict:
 
 
 def test_fp4_and_fp8_scale_codes_outside_the_exact_range_run_the_reference_through_the_public_op():
-    """Legal weights the kernels cannot decode exactly (codes 200 for fp4, 140 for fp8) get the reference.
+    """Legal weights the kernels cannot decode exactly (codes 253 for fp4, 250 for fp8) get the reference.
 
     Before the fix, fp4 passed ``reference=None`` here and raised ``TypeError: 'NoneType' object is not
     callable``; the glue test called the internal ops and never reached this path.
@@ -77,7 +77,7 @@ def test_fp4_and_fp8_scale_codes_outside_the_exact_range_run_the_reference_throu
         res = {}
         d4, s4 = formats.quantize_fp4(w)
         codes = s4.view(torch.uint8).clone()
-        codes[3, 1] = 200  # scale 2**73: legal e8m0, outside 27..160
+        codes[3, 1] = 253  # scale 2**126: legal e8m0, outside 1..252
         s4o = codes.view(s4.dtype)
         y = torch_bq.ops.fp4_linear(to_neuron(x), to_neuron(d4), to_neuron(s4o))
         r = ref.fp4_linear(x, d4, s4o, None, True, 224.0, torch.bfloat16)
@@ -86,7 +86,7 @@ def test_fp4_and_fp8_scale_codes_outside_the_exact_range_run_the_reference_throu
         res["calls_after_fallbacks"] = dict(kernel_calls)
         d8, s8 = formats.quantize_fp8(w)
         c8 = s8.view(torch.uint8).clone()
-        c8[0, 0] = 140  # outside 3..134
+        c8[0, 0] = 250  # outside 3..246
         s8o = c8.view(s8.dtype)
         y8 = torch_bq.ops.fp8_linear(to_neuron(x), to_neuron(d8), to_neuron(s8o))
         r8 = ref.fp8_linear(x, d8, s8o, None, (32, 32), True, 224.0, torch.bfloat16)
@@ -233,7 +233,7 @@ def test_compile_guards_scale_codes_the_kernel_cannot_decode_on_the_device():
         x, w = torch.randn(3, 64, generator=g), torch.randn(40, 64, generator=g) * 0.1
         d4, s4 = formats.quantize_fp4(w)
         codes = s4.view(torch.uint8).clone()
-        codes[0, 0] = 200
+        codes[0, 0] = 253
         f = torch.compile(lambda x, d, s: torch_bq.ops.fp4_linear(x, d, s), backend="neuron", fullgraph=True)
         ok = f(to_neuron(x), to_neuron(d4), to_neuron(s4))
         try:
@@ -243,7 +243,7 @@ def test_compile_guards_scale_codes_the_kernel_cannot_decode_on_the_device():
             print(json.dumps({"error": str(e), "ok_device": ok.device.type}))
         """
     )
-    assert out["error"] is not None and "outside 27..160" in out["error"], out
+    assert out["error"] is not None and "outside 1..252" in out["error"], out
     assert out["ok_device"] == "neuron"
 
 
@@ -320,3 +320,36 @@ def test_nki_available_checks_the_version_floor(tmp_path, version, broadcast, av
     assert out["available"] is available, out
     if not available:
         assert "0.5" in out["reason"]
+
+
+def test_large_m_decodes_the_weight_once_then_runs_bf16_gemm_chunks():
+    """Above DECODE_M_MAX rows: one dequant launch, one qdq, then ceil(M / GEMM_M_CHUNK) GEMM launches,
+    bit-identical to the fused kernel; and the same kernel calls under torch.compile."""
+    out = _on_stand_in(
+        """
+        from torch_bq.ops.nki import launch as prep
+        x, w, b = torch.randn(300, 256, generator=g), torch.randn(96, 256, generator=g) * 0.1, torch.randn(96, generator=g)
+        res = {}
+        for fmt in ("fp8", "fp4"):
+            d, s = formats.quantize_fp8(w) if fmt == "fp8" else formats.quantize_fp4(w)
+            op = torch_bq.ops.fp8_linear if fmt == "fp8" else torch_bq.ops.fp4_linear
+            args = [to_neuron(t) for t in (x, d, s, b)]
+            fused = op(*args)  # M = 300 <= DECODE_M_MAX: the fused kernel
+            prep.DECODE_M_MAX, prep.GEMM_M_CHUNK = 64, 128
+            kernel_calls.clear()
+            split = op(*args)
+            res[fmt + "_calls"] = dict(kernel_calls)
+            res[fmt + "_equal"] = torch.equal(bits(split), bits(fused))
+            kernel_calls.clear()
+            compiled = torch.compile(lambda *a: op(*a), backend="neuron", fullgraph=True)(*args)
+            res[fmt + "_compiled_calls"] = dict(kernel_calls)
+            res[fmt + "_compiled_equal"] = torch.equal(bits(compiled), bits(fused))
+            prep.DECODE_M_MAX, prep.GEMM_M_CHUNK = 512, 1024
+            torch._dynamo.reset()
+        print(json.dumps(res))
+        """
+    )
+    for fmt in ("fp8", "fp4"):
+        calls = {f"{fmt}_dequant_kernel": 1, "qdq_fp8_kernel": 1, "bf16_linear_kernel": 3}
+        assert out[fmt + "_calls"] == calls and out[fmt + "_compiled_calls"] == calls, out
+        assert out[fmt + "_equal"] and out[fmt + "_compiled_equal"], out

@@ -99,7 +99,7 @@ def simulate(kernel):
         as_torch = torch is not None and any(isinstance(v, torch.Tensor) for v in (*args, *kwargs.values()))
         args = [_to_numpy(v) if torch is not None and isinstance(v, torch.Tensor) else v for v in args]
         kwargs = {k: _to_numpy(v) if torch is not None and isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        launch = _core.Launch(kernel.lnc)
+        launch = _core.Launch(kernel.lnc, kernel.__name__)
         names = kernel.fn.__code__.co_varnames
 
         def wrap(i, v):

@@ -11,7 +11,9 @@ Modelled on the NKI 0.6 API text (``aws-neuron/aws-neuron-sdk``, ``nki/api/nki/i
   (``oob_mode.skip``). ``scalar_offset`` is not modelled (``NotImplementedError``).
 * ``nisa.register_alloc/move/load/store`` and ``nl.dynamic_range(reg)``: a loop whose trip count is
   read at run time. Its induction variable is a register, so the kernel cannot do Python arithmetic
-  with it (the stand-in yields opaque :class:`DynamicIndex` values that refuse arithmetic).
+  with it (the stand-in yields opaque :class:`DynamicIndex` values that refuse arithmetic). Its body
+  is one copy in the instruction stream: the instruction count takes the first iteration only (a
+  loop that runs no iteration counts nothing, although its body would be in the stream).
 * ``nisa.iota`` (int32 pattern generator, GpSimd) and ``nisa.nc_transpose`` (Tensor Engine: SBUF
   ``[<=128, <=128]`` to PSUM; Vector Engine: ``[<=32, <=32]``), both bit-exact.
 """
@@ -212,7 +214,13 @@ def dynamic_range(start, stop=None, step=1):
         start, stop = 0, start
     lo = start._get("dynamic_range") if isinstance(start, VirtualRegister) else int(start)
     hi = stop._get("dynamic_range") if isinstance(stop, VirtualRegister) else int(stop)
-    for _ in range(lo, hi, int(step)):
+    # The body is emitted once, not unrolled (rules.py isa-instruction-budget): every iteration
+    # after the first is run but not counted again towards the program's instruction stream.
+    prog = _core.current_program()
+    before = prog.instructions
+    for i in range(lo, hi, int(step)):
+        if i != lo:
+            prog.instructions = before
         yield DynamicIndex()
 
 

@@ -41,7 +41,10 @@ class _TileSize:
     gemm_stationary_fmax = _core.GEMM_STATIONARY_FMAX
     gemm_moving_fmax = _core.GEMM_MOVING_FMAX
     psum_num_banks = _core.PSUM_BANKS
-    sbuf_fmax_bytes = _core.SBUF_BYTES_PER_PARTITION
+
+    @property
+    def sbuf_fmax_bytes(self):
+        return _core.SBUF_BYTES[_core.target()]
 
 
 tile_size = _TileSize()

@@ -19,13 +19,12 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from .decode import FP4_POST_EXP, decode_fp4_tile, decode_fp8_tile
+from .decode import decode_fp4_tile, decode_fp8_tile
 from .qdq import QDQ_BLOCK, qdq_chunk
 
 PT = 128  # partitions: rows per tile, K tile
 N_TILE = 512  # fp32 columns in one PSUM bank
 K_CHUNK = 512  # weight columns decoded (and activation columns round-tripped) per step
-FP4_POST_SCALE = float(2**FP4_POST_EXP)
 
 
 def _cdiv(a, b):
@@ -60,13 +59,10 @@ def _stage_rows(x, rows_idx, k, act_quant, act_peak):
 
 
 def _expert_tile(x, weight, scale, bias, y, e, rows_idx, fmt, act_quant, act_peak, out_dtype, block, n_lo, n_hi):
-    """``y[rows_idx, n_lo:n_hi] = round(A @ W_e.T * post + bias_e)`` for one 128-row tile of expert ``e``."""
+    """``y[rows_idx, n_lo:n_hi] = round(A @ W_e.T + bias_e)`` for one 128-row tile of expert ``e``."""
     k = x.shape[1]
     w_e = weight[e]
     s_e = scale[e]
-    post_scale = 1.0
-    if fmt == "fp4":
-        post_scale = FP4_POST_SCALE
     a_t = _stage_rows(x, rows_idx, k, act_quant, act_peak)
     for n0 in range(n_lo, n_hi, N_TILE):
         nt = min(N_TILE, n_hi - n0)
@@ -92,10 +88,9 @@ def _expert_tile(x, weight, scale, bias, y, e, rows_idx, fmt, act_quant, act_pea
         if bias != None:  # noqa: E711  (NKI has no `is`)
             bias_sb = nl.ndarray((PT, N_TILE), dtype=nl.float32, buffer=nl.sbuf, name="grp_bias")
             nisa.dma_copy(dst=bias_sb[:, :nt], src=bias[e:e + 1, n0:n0 + nt].broadcast(0, PT))
-            nisa.scalar_tensor_tensor(dst=out_sb[:, :nt], data=acc[:, :nt], op0=nl.multiply, operand0=post_scale,
-                                      op1=nl.add, operand1=bias_sb[:, :nt])
+            nisa.tensor_tensor(dst=out_sb[:, :nt], data1=acc[:, :nt], data2=bias_sb[:, :nt], op=nl.add)
         else:
-            nisa.tensor_scalar(dst=out_sb[:, :nt], data=acc[:, :nt], op0=nl.multiply, operand0=post_scale)
+            nisa.tensor_copy(dst=out_sb[:, :nt], src=acc[:, :nt])
         n = y.shape[1]
         nisa.dma_copy(dst=y.ap(pattern=[[n, PT], [1, nt]], offset=n0, vector_offset=rows_idx, indirect_dim=0),
                       src=out_sb[:, :nt], oob_mode=nisa.oob_mode.skip)
@@ -148,7 +143,7 @@ def fp8_grouped_linear_kernel(x, weight, scale, bounds, bias=None, act_quant=Tru
 
     Args (HBM): ``x`` ``[T, K]`` bf16 (rows sorted by expert); ``weight`` ``[E, N, K]`` uint8
     (e4m3fn bytes); ``scale`` ``[E, ceil(N/bn), K/bk]`` uint8 e8m0 codes (exact for codes in
-    ``[3, 134]``); ``bounds`` ``[2, E]`` int32 (first row, end row of each expert: every row of
+    ``FP8_EXACT_CODES`` of :mod:`.launch`); ``bounds`` ``[2, E]`` int32 (first row, end row of each expert: every row of
     ``x`` in exactly one range); ``bias`` ``[E, N]`` fp32 or ``None``. ``K % 32 == 0``, ``T < 2**24``;
     blocks as :func:`.linear.fp8_linear_kernel`. Returns ``[T, N]`` of ``out_dtype``.
 
@@ -180,12 +175,11 @@ def fp4_grouped_linear_kernel(x, weight, scale, bounds, bias=None, act_quant=Tru
     """Rows ``bounds[0, e]:bounds[1, e]`` of ``x`` through expert ``e``'s MXFP4 linear (W4A8 by default).
 
     Args (HBM): ``x`` ``[T, K]`` bf16; ``weight`` ``[E, N, K/2]`` uint8 (element ``2j`` in the low
-    nibble of byte ``j``); ``scale`` ``[E, N, K/32]`` uint8 e8m0 codes (exact for ``[27, 160]``);
+    nibble of byte ``j``); ``scale`` ``[E, N, K/32]`` uint8 e8m0 codes (exact for ``FP4_EXACT_CODES``);
     ``bounds``, ``bias`` as :func:`fp8_grouped_linear_kernel`. ``K % 64 == 0``.
 
     Tiling, SBUF/PSUM and instruction counts as :func:`fp8_grouped_linear_kernel`, with the
-    fp4 decode (:func:`.decode.decode_fp4_tile`, 2.8 KiB) leaving ``2**-32`` in each weight
-    tile and the PSUM result multiplied by ``2**32`` (exact) with the bias add.
+    fp4 decode (:func:`.decode.decode_fp4_tile`).
     """
     assert (not act_quant) or act_peak <= 240.0, "act_peak > 240: Trainium2's fp8 e4m3 saturates at 240"
     return _grouped(x, weight, scale, bounds, bias, "fp4", act_quant, act_peak, out_dtype, (32, 32))

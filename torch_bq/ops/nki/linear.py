@@ -54,7 +54,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from .decode import FP4_POST_EXP, decode_fp4_tile, decode_fp8_tile, load_dense_tile
+from .decode import decode_fp4_tile, decode_fp8_tile, load_dense_tile
 from .qdq import QDQ_BLOCK, qdq_chunk
 
 PT = 128  # partitions; also the M and K tile
@@ -62,7 +62,6 @@ N_TILE = 512  # fp32 columns in one PSUM bank
 K_CHUNK = 512  # weight columns decoded per step
 STAGE_BYTES = 64 * 1024  # staged K-major activations per partition
 MAX_GROUP = 4  # PSUM banks for the accumulators of one M group (of 8)
-FP4_POST_SCALE = float(2**FP4_POST_EXP)  # a float constant: NKI integers are 32-bit
 
 
 def _out_dtype(name):
@@ -145,9 +144,6 @@ def _linear(x, weight, scale, bias, fmt, act_quant, act_peak, out_dtype, block=(
 def _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, block, mt_lo, mt_hi, n_lo, n_hi):
     """``y[rows of M tiles mt_lo..mt_hi-1, n_lo:n_hi]`` for a group of M tiles staged together."""
     m, k = x.shape
-    post_scale = 1.0
-    if fmt == "fp4":
-        post_scale = FP4_POST_SCALE
     tiles = []
     for mi in range(mt_lo, mt_hi):
         rows = min(PT, m - mi * PT)
@@ -176,13 +172,12 @@ def _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, block, mt
             m0, rows, _ = tiles[g]
             acc = accs[g]
             out_sb = nl.ndarray((PT, N_TILE), dtype=y.dtype, buffer=nl.sbuf, name="y_sb")
-            # One rounding: (acc * post_scale + bias) in fp32, cast once on write.
+            # One rounding: (acc + bias) in fp32, cast once on write.
             if bias != None:  # noqa: E711
-                nisa.scalar_tensor_tensor(dst=out_sb[:rows, :nt], data=acc[:rows, :nt], op0=nl.multiply,
-                                          operand0=post_scale, op1=nl.add, operand1=bias_sb[:rows, :nt])
+                nisa.tensor_tensor(dst=out_sb[:rows, :nt], data1=acc[:rows, :nt], data2=bias_sb[:rows, :nt],
+                                   op=nl.add)
             else:
-                nisa.tensor_scalar(dst=out_sb[:rows, :nt], data=acc[:rows, :nt], op0=nl.multiply,
-                                   operand0=post_scale)
+                nisa.tensor_copy(dst=out_sb[:rows, :nt], src=acc[:rows, :nt])
             nisa.dma_copy(dst=y[m0:m0 + rows, n0:n0 + nt], src=out_sb[:rows, :nt])
 
 
@@ -245,6 +240,9 @@ def fp4_linear_kernel(x, weight, scale, bias=None, act_quant=True, act_peak=224.
 def bf16_linear_kernel(x, weight, bias=None, out_dtype="bfloat16"):
     """``y = round(x @ W.T + bias)``: ``x`` ``[M, K]`` bf16, ``weight`` ``[N, K]`` bf16, ``K % 32 == 0``.
 
+    Also the GEMM of the large-M fp8/fp4 path, over the weight :func:`fp8_dequant_kernel` /
+    :func:`fp4_dequant_kernel` decoded into HBM and the activations ``qdq_fp8_kernel`` rounded.
+
     Tiling as :func:`fp8_linear_kernel`, without qdq or decode: x and W tiles
     (128 x 128) are DMA-transposed from HBM straight into the K-major tiles.
 
@@ -277,3 +275,48 @@ def fp32w_linear_kernel(x, weight, bias=None, out_dtype="bfloat16"):
                 y <- round(acc + bias)
     """
     return _linear(x, weight, None, bias, "fp32w", False, 224.0, out_dtype)
+
+
+# --------------------------------------------------------------------------- #
+# large M: decode each weight tile once, into an HBM scratch
+# --------------------------------------------------------------------------- #
+
+
+def _dequant(weight, scale, fmt, block_rows, block_cols, k):
+    n = weight.shape[0]
+    w16 = nl.ndarray((n, k), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="w_bf16")
+    r_lo, r_hi = _core_span(n)
+    for row0 in range(r_lo, r_hi, PT):
+        rows = min(PT, r_hi - row0)
+        for c0 in range(0, k, K_CHUNK):
+            kc = min(K_CHUNK, k - c0)
+            if fmt == "fp8":
+                w = decode_fp8_tile(weight, scale, row0, rows, c0, kc, block_rows, block_cols)
+            else:
+                w = decode_fp4_tile(weight, scale, row0, rows, c0, kc)
+            nisa.dma_copy(dst=w16[row0:row0 + rows, c0:c0 + kc], src=w[:rows, 0:kc])
+    return w16
+
+
+@nki.jit
+def fp8_dequant_kernel(weight, scale, block_rows=32, block_cols=32):
+    """bf16 ``W`` ``[N, K]`` in HBM from e4m3 bytes ``[N, K]`` and e8m0 block codes, each tile decoded once.
+
+    The large-M fp8 path: the weight is decoded here once, then :func:`bf16_linear_kernel` runs the
+    GEMM over M in chunks (:mod:`.launch` ``GEMM_M_CHUNK``), instead of decoding every weight tile again
+    for every group of 4 M tiles. Exact for codes in ``[3, 246]`` (:mod:`.decode`).
+
+    Tiling: 128 weight rows x 512 K columns per step, rows split between LNC cores in whole 128-row
+    blocks. SBUF per partition: the decode's ~15.6 KiB. PSUM: none. Instructions per program:
+    ``~16 x ceil(N / 128 / lnc) x ceil(K / 512)``.
+    """
+    return _dequant(weight, scale, "fp8", block_rows, block_cols, weight.shape[1])
+
+
+@nki.jit
+def fp4_dequant_kernel(weight, scale):
+    """bf16 ``W`` ``[N, K]`` in HBM from packed e2m1 ``[N, K/2]`` and 1x32 e8m0 codes, each tile decoded once.
+
+    As :func:`fp8_dequant_kernel`; exact for codes in ``[1, 252]``. SBUF ~16.3 KiB.
+    """
+    return _dequant(weight, scale, "fp4", 32, 32, 2 * weight.shape[1])

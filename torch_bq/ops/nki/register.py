@@ -129,6 +129,15 @@ def register_neuron_kernels() -> bool:
                         lnc: int) -> torch.Tensor:
         return launcher(kernels.bf16_linear_kernel, lnc)(x, weight, bias, out_dtype)
 
+    @nki_op("torch_bq_nki::fp8_dequant", mutates_args={})
+    def nki_fp8_dequant(weight: torch.Tensor, scale: torch.Tensor, block_rows: int, block_cols: int,
+                        lnc: int) -> torch.Tensor:
+        return launcher(kernels.fp8_dequant_kernel, lnc)(weight, scale, block_rows, block_cols)
+
+    @nki_op("torch_bq_nki::fp4_dequant", mutates_args={})
+    def nki_fp4_dequant(weight: torch.Tensor, scale: torch.Tensor, lnc: int) -> torch.Tensor:
+        return launcher(kernels.fp4_dequant_kernel, lnc)(weight, scale)
+
     @nki_op("torch_bq_nki::fp32w_linear", mutates_args={})
     def nki_fp32w_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: str,
                          lnc: int) -> torch.Tensor:
@@ -142,15 +151,47 @@ def register_neuron_kernels() -> bool:
         lnc = _backend.neuron_lnc()  # the runtime's LNC, read per call (a kernel must launch with it)
         return lambda *args: op(*args, lnc)
 
+    def decode_once_gemm(launch, w16):
+        """Large M: qdq once, then the bf16 GEMM over the decoded weight, GEMM_M_CHUNK rows per launch."""
+        x2, bias = launch.tensors[0], launch.tensors[3]
+        opts = launch.options
+        a = with_lnc(nki_qdq_fp8)(x2, opts["act_peak"]) if opts["act_quant"] else x2
+        gemm = with_lnc(nki_bf16_linear)
+        chunks = []
+        for m0 in range(0, a.shape[0], prep.GEMM_M_CHUNK):
+            chunk = a[m0:m0 + prep.GEMM_M_CHUNK].contiguous()
+            chunks.append(gemm(chunk, w16, bias, opts["out_dtype"]))
+        return torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+
+    def fp8_call(launch):
+        if not prep.decode_once(launch):
+            return _run(launch, with_lnc(nki_fp8_linear), None, launch.tensors[0])
+        _guard(launch)
+        opts = launch.options
+        w16 = with_lnc(nki_fp8_dequant)(launch.tensors[1], launch.tensors[2], opts["block_rows"],
+                                        opts["block_cols"])
+        return decode_once_gemm(launch, w16).reshape(launch.out_shape)
+
+    def fp4_call(launch):
+        if not prep.decode_once(launch):
+            return _run(launch, with_lnc(nki_fp4_linear), None, launch.tensors[0])
+        _guard(launch)
+        w16 = with_lnc(nki_fp4_dequant)(launch.tensors[1], launch.tensors[2])
+        return decode_once_gemm(launch, w16).reshape(launch.out_shape)
+
     def fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dtype, tracing=False):
         launch = prep.prepare_fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dtype, tracing)
-        return _run(launch, with_lnc(nki_fp8_linear), lambda: ref.fp8_linear(
-            x, weight, scale, bias, block, act_quant, act_peak, out_dtype), x)
+        if launch.fallback is not None or launch.kernel is None:
+            return _run(launch, None, lambda: ref.fp8_linear(
+                x, weight, scale, bias, block, act_quant, act_peak, out_dtype), x)
+        return fp8_call(launch)
 
     def fp4_linear(x, weight, scale, bias, act_quant, act_peak, out_dtype, tracing=False):
         launch = prep.prepare_fp4_linear(x, weight, scale, bias, act_quant, act_peak, out_dtype, tracing)
-        return _run(launch, with_lnc(nki_fp4_linear), lambda: ref.fp4_linear(
-            x, weight, scale, bias, act_quant, act_peak, out_dtype), x)
+        if launch.fallback is not None or launch.kernel is None:
+            return _run(launch, None, lambda: ref.fp4_linear(
+                x, weight, scale, bias, act_quant, act_peak, out_dtype), x)
+        return fp4_call(launch)
 
     def bf16_linear(x, weight, bias, out_dtype, tracing=False):
         launch = prep.prepare_dense_linear(x, weight, bias, out_dtype, torch.bfloat16)
