@@ -81,16 +81,16 @@ def prepare_kv_write(k, v, k_cache, v_cache, slots, tracing: bool = False) -> Ke
 def attention_span(need: int, window: int, rows_per_request: int, capacity: int, tracing: bool) -> int:
     """Cache positions per request the attention kernel walks (a multiple of :data:`SPLIT`).
 
-    Eagerly: the longest visible range ``need``, rounded up to ``SPLIT`` times a power of
-    two (few distinct compiled kernels). Traced, the data cannot be read: the range a
-    request's rows can see when they are its last positions, ``window + rows - 1``, capped
-    by the block table's capacity; a request that needs more trips a device assert.
+    Eagerly: the longest visible range ``need``, rounded up to a multiple of ``SPLIT`` (at
+    most ``ceil((window + rows - 1) / 512)`` distinct compiled kernels per shape when the
+    rows are their requests' last positions; 9 for the full-size drafter). Traced, the data
+    cannot be read: the range a request's rows can see when they are its last positions,
+    ``window + rows - 1``, capped by the block table's capacity; a request that needs more
+    trips a device assert.
     """
     if tracing:
         need = min(window + rows_per_request - 1, capacity)
-        return max(SPLIT, -(-need // SPLIT) * SPLIT)
-    splits = max(1, -(-need // SPLIT))
-    return SPLIT * (1 << (splits - 1).bit_length())
+    return max(SPLIT, -(-need // SPLIT) * SPLIT)
 
 
 def prepare_attention(q, k_cache, v_cache, block_table, positions, seq_lens, rows_per_request, window, causal,
