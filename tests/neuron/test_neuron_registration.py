@@ -353,3 +353,42 @@ def test_large_m_decodes_the_weight_once_then_runs_bf16_gemm_chunks():
         calls = {f"{fmt}_dequant_kernel": 1, "qdq_fp8_kernel": 1, "bf16_linear_kernel": 3}
         assert out[fmt + "_calls"] == calls and out[fmt + "_compiled_calls"] == calls, out
         assert out[fmt + "_equal"] and out[fmt + "_compiled_equal"], out
+
+
+@pytest.mark.parametrize("block", [(32, 32), (256, 128), (1, 32)])
+def test_large_m_dequant_is_split_into_launches_within_the_budget(block):
+    out = _on_stand_in(
+        f"""
+        from torch_bq.ops.nki import launch as prep
+        prep.DECODE_M_MAX, prep.INSTRUCTION_BUDGET = 8, 800  # dequant_rows(512) = 128 * 36 ... then 256
+        prep.DEQUANT_TILE_INSTRUCTIONS = 300  # -> 2 blocks (256 rows) per launch
+        x, w = torch.randn(20, 512, generator=g), torch.randn(700, 512, generator=g) * 0.1
+        d, s = formats.quantize_fp8(w, block={block})
+        y = torch_bq.ops.fp8_linear(to_neuron(x), to_neuron(d), to_neuron(s), block={block})
+        r = ref.fp8_linear(x, d, s, None, {block}, True, 224.0, torch.bfloat16)
+        print(json.dumps({{"rows": prep.dequant_rows(512), "calls": dict(kernel_calls),
+                          "close": bool(torch.allclose(to_cpu(y).float(), r.float(), rtol=2**-7, atol=1e-3))}}))
+        """
+    )
+    assert out["rows"] == 256
+    assert out["calls"]["fp8_dequant_kernel"] == 3 and out["close"], out  # 700 rows in 256-row launches
+
+
+def test_large_m_gemm_is_split_over_rows_and_columns_within_the_budget():
+    out = _on_stand_in(
+        """
+        from torch_bq.ops.nki import launch as prep
+        prep.DECODE_M_MAX, prep.INSTRUCTION_BUDGET = 8, 300  # per N tile 32 * 1 + 8 = 40: 6 tiles, 1 group
+        x, w, b = torch.randn(600, 512, generator=g), torch.randn(3200, 512, generator=g) * 0.1, torch.randn(3200, generator=g)
+        d, s = formats.quantize_fp4(w)
+        y = torch_bq.ops.fp4_linear(to_neuron(x), to_neuron(d), to_neuron(s), to_neuron(b))
+        chunks = list(prep.gemm_chunks(3200, 512))
+        prep.DECODE_M_MAX, prep.INSTRUCTION_BUDGET = 10**6, 20_000
+        fused = torch_bq.ops.fp4_linear(to_neuron(x), to_neuron(d), to_neuron(s), to_neuron(b))
+        print(json.dumps({"chunks": chunks, "calls": dict(kernel_calls),
+                          "equal": torch.equal(bits(y), bits(fused))}))
+        """
+    )
+    assert out["chunks"] == [512, 3072]
+    # 600 rows in 2 row chunks x 3200 columns in 2 column chunks = 4 GEMM launches, bit-identical to fused.
+    assert out["calls"]["bf16_linear_kernel"] == 4 and out["equal"], out

@@ -36,6 +36,8 @@ __all__ = [
     "GEMM_M_CHUNK",
     "KernelLaunch",
     "decode_once",
+    "dequant_rows",
+    "gemm_chunks",
     "check_act_peak",
     "prepare_fp8_linear",
     "prepare_fp4_linear",
@@ -53,10 +55,13 @@ MAX_K = 32768
 # limit (the docs give none); the tests hold every kernel to it (docs/nki.md lists the counts).
 INSTRUCTION_BUDGET = 20_000
 # Above DECODE_M_MAX rows the weight is decoded once into an HBM scratch (fp8/fp4_dequant_kernel),
-# then bf16_linear_kernel runs over the rows GEMM_M_CHUNK at a time (each launch within the budget).
+# then bf16_linear_kernel runs over at most GEMM_M_CHUNK rows per launch (gemm_chunks()).
 # At or below it the fused kernels decode each weight tile in SBUF right before its matmuls.
 DECODE_M_MAX = 512
 GEMM_M_CHUNK = 1024
+# The dequant kernels issue ~19 (fp8) / ~18 (fp4) instructions per 128 x 512 weight tile (measured on
+# the stand-in, docs/nki.md); dequant_rows() sizes each launch's share of N rows from this.
+DEQUANT_TILE_INSTRUCTIONS = 20
 
 # e8m0 codes whose weights the kernels' bf16 decode represents exactly (derived in
 # decode.py's docstring); a weight with a code outside is served by the reference.
@@ -85,6 +90,28 @@ class KernelLaunch:
     out_dtype: torch.dtype = torch.bfloat16
     fallback: Optional[str] = None
     guards: list = field(default_factory=list)
+
+
+def dequant_rows(k: int) -> int:
+    """Weight rows per dequant launch: whole 128-row blocks whose tiles fit the budget on one core."""
+    tiles_per_block = -(-k // 512)
+    blocks = max(1, (9 * INSTRUCTION_BUDGET // 10) // (DEQUANT_TILE_INSTRUCTIONS * tiles_per_block))
+    return 128 * blocks
+
+
+def gemm_chunks(n: int, k: int) -> tuple[int, int]:
+    """``(rows, cols)`` of ``y`` per bf16 GEMM launch of the large-M path, so each stays within the budget.
+
+    Per 512-column N tile a group of 4 staged M tiles costs ~``32 * ceil(K/512) + 8`` instructions
+    (16 weight transposes and 16 matmuls per 512-column K chunk, plus the output): the columns per
+    launch are the N tiles that fit, the rows the groups that fit with them (planned for one core;
+    LNC=2 halves each core's share).
+    """
+    per_tile = 32 * -(-k // 512) + 8
+    room = 9 * INSTRUCTION_BUDGET // 10
+    n_tiles = max(1, min(-(-n // 512), room // per_tile))
+    groups = max(1, room // (n_tiles * per_tile))
+    return min(GEMM_M_CHUNK, 512 * groups), 512 * n_tiles
 
 
 def decode_once(launch: KernelLaunch) -> bool:

@@ -3,7 +3,7 @@
 Importing this module imports ``nki``; only the neuron registration and the
 tests do so. Arguments arrive laid out by :mod:`torch_bq.ops.nki.launch`.
 
-All four kernels share one tiling (:func:`_linear`) and differ in how a weight
+The four GEMMs share one tiling (:func:`_linear`) and differ in how a weight
 tile becomes bf16 (:mod:`torch_bq.ops.nki.decode`):
 
 * ``fp8_linear_kernel``  e4m3 bytes x e8m0 block codes (32x32, 1x32, 128x128, ...), optional qdq
@@ -11,8 +11,15 @@ tile becomes bf16 (:mod:`torch_bq.ops.nki.decode`):
 * ``bf16_linear_kernel`` bf16 weight, DMA-transposed straight from HBM
 * ``fp32w_linear_kernel`` fp32 weight narrowed to bf16 in SBUF
 
+and two decode kernels serve large M (``fp8_dequant_kernel``, ``fp4_dequant_kernel``):
+above ``launch.DECODE_M_MAX`` rows the weight is decoded once into an HBM scratch and
+``bf16_linear_kernel`` runs over it (activations rounded once by ``qdq_fp8_kernel``),
+instead of every weight tile being decoded again for every group of 4 M tiles. For
+decode-sized M the fused kernels decode each weight tile in SBUF right before its matmuls.
+
 Launched as ``kernel(...)`` they run on one core; as ``kernel[2](...)`` (LNC=2)
-each core takes a contiguous span of whole 128-column groups of N.
+each core takes a contiguous span of whole 128-column groups of N (128-row blocks of
+the weight for the decode kernels).
 
 Tiling (``nc_matmul(dst, stationary, moving)`` computes ``stationary.T @ moving``,
 contraction on partitions, so both operands are staged K-major)::
@@ -32,20 +39,26 @@ contraction on partitions, so both operands are staged K-major)::
                     wT[:, j, block] <- dma_transpose(w[:, j*128:(j+1)*128])
                 for each K tile j of the chunk, each M tile g:
                     nc_matmul(acc[g], aT[g][:, kb, :], wT[:, j, :], accumulate=(kb > 0))
-            y[g] <- acc[g] * post_scale (+ bias), one rounding to out_dtype
+            y[g] <- acc[g] (+ bias), one rounding to out_dtype
 
-SBUF budget per partition (live at once, worst case):
+SBUF budget per partition (live at once, worst case; limits: Trn2 224 KiB, Trn1 192 KiB):
 
     staged activations  min(4, 64 KiB // 2K) M tiles x 2K B   <= 64.0 KiB
     qdq of one chunk    (qdq.qdq_chunk, while staging)          ~3.8 KiB
-    weight decode       (decode.decode_*_tile)                  ~4.6 KiB
+    weight decode       (decode.decode_*_tile, int32/fp32 lanes) ~16.3 KiB
     wT                  4 x 512 x 2 B                            4.0 KiB
     bias, output tile   512 x 4 B + 512 x <= 4 B                 4.0 KiB
-    total                                                      <= ~80 KiB of 192 KiB
+    total                                                      <= ~92 KiB
 
-The stand-in measures 63.5 KiB for M=512, K=6144, N=600 (fp8, a full group of
-4 staged tiles) and 76.5 KiB for M=130, K=32768 (``MAX_K``, one staged tile).
+The stand-in measures 82.5 KiB (fp8) / 83.2 KiB (fp4) for M=512, K=7168, N=2048.
 PSUM: one 2 KiB bank per M tile of the group, at most 4 of the 8 banks.
+
+Instructions per program (every loop is unrolled; ``Kc = ceil(K/512)``, ``Nt`` the core's
+512-column N tiles, ``G`` the M groups, ``g`` tiles per group): the fused fp8/fp4 kernels
+issue about ``G * Nt * Kc * (4 * (19 + 4) + 4 * g)`` (decode + transposes + matmuls per
+128-row block), the bf16 GEMM ``G * Nt * (Kc * (16 + 4 * g) + 2 * g)`` plus staging, the
+decode kernels ``~19 * row_blocks * Kc``; docs/nki.md lists measured counts per shape,
+and :mod:`.launch` splits large-M work into launches within ``INSTRUCTION_BUDGET``.
 """
 
 from __future__ import annotations
@@ -198,8 +211,9 @@ def fp8_linear_kernel(x, weight, scale, bias=None, act_quant=True, act_peak=224.
     K columns at a time (:func:`decode.decode_fp8_tile`); up to 4 M tiles staged
     K-major. ``kernel[2]``: core ``p`` takes N columns ``[p*span, (p+1)*span)``.
 
-    SBUF per partition: staged A <= 64 KiB, qdq 3.8 KiB, decode 4.6 KiB, wT 4 KiB,
-    bias + output 4 KiB: <= ~80 KiB of 192. PSUM: <= 4 of 8 banks.
+    SBUF per partition: staged A <= 64 KiB, qdq 3.8 KiB, decode 15.6 KiB, wT 4 KiB,
+    bias + output 4 KiB: <= ~92 KiB. PSUM: <= 4 of 8 banks. Instructions (LNC2, per
+    program): 2,818 at M=1, 3,880 at M=512 for K=7168, N=2048 (docs/nki.md).
 
         for each group of <= 4 M tiles:  aT <- transpose(qdq(x rows))
             for each N tile of this core:
@@ -219,18 +233,17 @@ def fp4_linear_kernel(x, weight, scale, bias=None, act_quant=True, act_peak=224.
     the low nibble of byte ``j``; ``scale`` ``[N, K/32]`` uint8 e8m0 codes (exact for codes
     in ``[27, 160]``); ``bias`` ``[1, N]`` fp32 or ``None``. ``K % 64 == 0``.
 
-    Tiling as :func:`fp8_linear_kernel`; the decode (:func:`decode.decode_fp4_tile`)
-    leaves ``2**-32`` in each weight tile and the PSUM result is multiplied by
-    ``2**32`` (exact) together with the bias add.
+    Tiling as :func:`fp8_linear_kernel`, decode by :func:`decode.decode_fp4_tile`.
 
-    SBUF per partition: staged A <= 64 KiB, qdq 3.8 KiB, decode 2.8 KiB, wT 4 KiB,
-    bias + output 4 KiB: <= ~79 KiB of 192. PSUM: <= 4 of 8 banks.
+    SBUF per partition: staged A <= 64 KiB, qdq 3.8 KiB, decode 16.3 KiB, wT 4 KiB,
+    bias + output 4 KiB: <= ~92 KiB. PSUM: <= 4 of 8 banks. Instructions (LNC2, per
+    program): 2,706 at M=1, 3,768 at M=512 for K=7168, N=2048.
 
         for each group of <= 4 M tiles:  aT <- transpose(qdq(x rows))
             for each N tile of this core:
-                for each K chunk:  wT <- transpose(decode_fp4(W rows, chunk))   # x 2**-32
+                for each K chunk:  wT <- transpose(decode_fp4(W rows, chunk))
                     for each K tile, M tile:  nc_matmul(acc, aT, wT, accumulate=(kb > 0))
-                y <- round(acc * 2**32 + bias)
+                y <- round(acc + bias)
     """
     assert (not act_quant) or act_peak <= 240.0, "act_peak > 240: Trainium2's fp8 e4m3 saturates at 240"
     return _linear(x, weight, scale, bias, "fp4", act_quant, act_peak, out_dtype)
@@ -247,7 +260,8 @@ def bf16_linear_kernel(x, weight, bias=None, out_dtype="bfloat16"):
     (128 x 128) are DMA-transposed from HBM straight into the K-major tiles.
 
     SBUF per partition: staged x <= 64 KiB, wT 4 KiB, bias + output 4 KiB:
-    <= ~72 KiB of 192. PSUM: <= 4 of 8 banks.
+    <= ~72 KiB. PSUM: <= 4 of 8 banks. Instructions (LNC2, per program): 620 at
+    M=128, 2,272 at M=1024 for K=7168, N=2048; 16,864 at M=1024, N=18432.
 
         for each group of <= 4 M tiles:  aT <- dma_transpose(x rows)
             for each N tile of this core:
@@ -266,7 +280,7 @@ def fp32w_linear_kernel(x, weight, bias=None, out_dtype="bfloat16"):
     copied to bf16 by the engine (round to nearest even) before its transposes.
 
     SBUF per partition: staged x <= 64 KiB, fp32 + bf16 weight tile 3 KiB, wT 4 KiB,
-    bias + output 4 KiB: <= ~75 KiB of 192. PSUM: <= 4 of 8 banks.
+    bias + output 4 KiB: <= ~75 KiB. PSUM: <= 4 of 8 banks.
 
         for each group of <= 4 M tiles:  aT <- dma_transpose(x rows)
             for each N tile of this core:

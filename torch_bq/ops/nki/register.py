@@ -152,31 +152,49 @@ def register_neuron_kernels() -> bool:
         return lambda *args: op(*args, lnc)
 
     def decode_once_gemm(launch, w16):
-        """Large M: qdq once, then the bf16 GEMM over the decoded weight, GEMM_M_CHUNK rows per launch."""
+        """Large M: qdq once, then the bf16 GEMM over the decoded weight in launches of gemm_chunks() each."""
         x2, bias = launch.tensors[0], launch.tensors[3]
         opts = launch.options
         a = with_lnc(nki_qdq_fp8)(x2, opts["act_peak"]) if opts["act_quant"] else x2
         gemm = with_lnc(nki_bf16_linear)
-        chunks = []
-        for m0 in range(0, a.shape[0], prep.GEMM_M_CHUNK):
-            chunk = a[m0:m0 + prep.GEMM_M_CHUNK].contiguous()
-            chunks.append(gemm(chunk, w16, bias, opts["out_dtype"]))
-        return torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+        rows, cols = prep.gemm_chunks(w16.shape[0], w16.shape[1])
+        row_blocks = []
+        for m0 in range(0, a.shape[0], rows):
+            chunk = a[m0:m0 + rows].contiguous()
+            parts = []
+            for n0 in range(0, w16.shape[0], cols):
+                b = None if bias is None else bias[:, n0:n0 + cols].contiguous()
+                parts.append(gemm(chunk, w16[n0:n0 + cols].contiguous(), b, opts["out_dtype"]))
+            row_blocks.append(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+        return torch.cat(row_blocks) if len(row_blocks) > 1 else row_blocks[0]
+
+    def dequant(op, launch, *options):
+        """The weight decoded once into HBM, dequant_rows(K) weight rows per launch (each within the budget)."""
+        weight, codes = launch.tensors[1], launch.tensors[2]
+        k = launch.tensors[0].shape[1]
+        step = prep.dequant_rows(k)
+        bn = options[0] if options else 1  # weight rows per scale row (fp8 block_rows; fp4: 1x32)
+        step = -(-step // bn) * bn  # chunks start on a scale row
+        parts = []
+        for r0 in range(0, weight.shape[0], step):
+            rows = weight[r0:r0 + step].contiguous()
+            part_codes = codes[r0 // bn:-(-(r0 + step) // bn)].contiguous() if bn > 1 else codes[r0:r0 + step]
+            parts.append(with_lnc(op)(rows, part_codes.contiguous(), *options))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def fp8_call(launch):
         if not prep.decode_once(launch):
             return _run(launch, with_lnc(nki_fp8_linear), None, launch.tensors[0])
         _guard(launch)
         opts = launch.options
-        w16 = with_lnc(nki_fp8_dequant)(launch.tensors[1], launch.tensors[2], opts["block_rows"],
-                                        opts["block_cols"])
+        w16 = dequant(nki_fp8_dequant, launch, opts["block_rows"], opts["block_cols"])
         return decode_once_gemm(launch, w16).reshape(launch.out_shape)
 
     def fp4_call(launch):
         if not prep.decode_once(launch):
             return _run(launch, with_lnc(nki_fp4_linear), None, launch.tensors[0])
         _guard(launch)
-        w16 = with_lnc(nki_fp4_dequant)(launch.tensors[1], launch.tensors[2])
+        w16 = dequant(nki_fp4_dequant, launch)
         return decode_once_gemm(launch, w16).reshape(launch.out_shape)
 
     def fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dtype, tracing=False):
