@@ -309,3 +309,106 @@ def test_full_size_drafter_attention_instruction_count(paged):
     assert nki.last_launch.instructions == 2393  # the count docs/nki.md gives (span 4608, 4 KV heads)
     err = (out.double() - ref.double()).abs()
     assert bool((err <= 2 * bound + 2 * _HALF_ULP[torch.bfloat16] * ref.double().abs()).all())
+
+
+# --------------------------------------------------------------------------- #
+# the stand-in's run-time addressing and control (tests/nki_shim/nki/_dynamic.py)
+# --------------------------------------------------------------------------- #
+
+
+def test_stand_in_indirect_gather_raises_or_skips_out_of_bounds_rows(shim_only):
+    nki = shim_only
+    import nki.isa as nisa
+    import nki.language as nl
+
+    @nki.jit
+    def gather(data, idx, skip=False):
+        out = nl.ndarray((4, 8), dtype=data.dtype, buffer=nl.shared_hbm)
+        ix = nl.ndarray((4, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=ix, src=idx)
+        rows = nl.ndarray((4, 8), dtype=data.dtype, buffer=nl.sbuf)
+        nisa.memset(dst=rows, value=-1.0)
+        mode = nisa.oob_mode.error
+        if skip:
+            mode = nisa.oob_mode.skip
+        nisa.dma_copy(dst=rows, src=data.ap(pattern=[[8, 4], [1, 8]], vector_offset=ix, indirect_dim=0),
+                      oob_mode=mode)
+        nisa.dma_copy(dst=out, src=rows)
+        return out
+
+    data = np.arange(48, dtype=np.float32).reshape(6, 8)
+    got = nki.simulate(gather)(data, np.array([[5], [0], [6], [2]], dtype=np.int32), True)
+    assert np.array_equal(got[[0, 1, 3]], data[[5, 0, 2]]) and (got[2] == -1).all()
+    with pytest.raises(nki.NkiShimError, match="index 6 at partition 2 is outside"):
+        nki.simulate(gather)(data, np.array([[5], [0], [6], [2]], dtype=np.int32))
+
+
+def test_stand_in_dynamic_loop_index_is_a_register(shim_only):
+    nki = shim_only
+    import nki.isa as nisa
+    import nki.language as nl
+
+    @nki.jit
+    def loop(x):
+        out = nl.ndarray((1, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+        t = nl.ndarray((1, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        n = nisa.register_alloc(3)
+        for i in nl.dynamic_range(n):
+            nisa.tensor_scalar(dst=t, data=t, op0=nl.add, operand0=float(i * 1))
+        nisa.dma_copy(dst=out, src=t)
+        return out
+
+    with pytest.raises(nki.NkiShimError, match="induction variable of nl.dynamic_range is a register"):
+        nki.simulate(loop)(np.zeros((1, 4), dtype=np.float32))
+
+
+def test_stand_in_dynamic_loop_runs_its_trip_count_and_counts_its_body_once(shim_only):
+    nki = shim_only
+    import nki.isa as nisa
+    import nki.language as nl
+
+    @nki.jit
+    def loop(x, count):
+        out = nl.ndarray((1, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+        t = nl.ndarray((1, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        c = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=c, src=count)
+        n = nisa.register_alloc()
+        nisa.register_load(n, c)
+        for _ in nl.dynamic_range(n):
+            nisa.tensor_scalar(dst=t, data=t, op0=nl.add, operand0=1.0)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+
+    got = nki.simulate(loop)(np.zeros((1, 4), dtype=np.float32), np.array([[5]], dtype=np.int32))
+    assert (got == 5).all()
+    assert nki.last_launch.instructions == 5  # 2 loads, register_load, one body copy, the store
+
+
+def test_stand_in_nc_transpose_limits(shim_only):
+    nki = shim_only
+    import nki.isa as nisa
+    import nki.language as nl
+
+    @nki.jit
+    def transpose(x, rows=128, vector=False):
+        out = nl.ndarray((x.shape[1], rows), dtype=nl.float32, buffer=nl.shared_hbm)
+        t = nl.ndarray((128, x.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t[:rows], src=x[:rows])
+        ps = nl.ndarray((x.shape[1], 128), dtype=nl.float32, buffer=nl.psum)
+        engine = nisa.engine.tensor
+        if vector:
+            engine = nisa.engine.vector  # the Vector Engine transposes at most 32 x 32
+        nisa.nc_transpose(dst=ps[:, :rows], data=t[:rows], engine=engine)
+        sb = nl.ndarray((x.shape[1], 128), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=sb[:, :rows], src=ps[:, :rows])
+        nisa.dma_copy(dst=out, src=sb[:, :rows])
+        return out
+
+    x = np.random.default_rng(0).standard_normal((128, 96)).astype(np.float32)
+    assert np.array_equal(nki.simulate(transpose)(x), x.T)
+    assert np.array_equal(nki.simulate(transpose)(x[:32, :32], 32, True), x[:32, :32].T)
+    with pytest.raises(nki.NkiShimError, match="exceeds \\[32, 32\\]"):
+        nki.simulate(transpose)(x, 128, True)
