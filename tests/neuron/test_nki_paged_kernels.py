@@ -412,3 +412,24 @@ def test_stand_in_nc_transpose_limits(shim_only):
     assert np.array_equal(nki.simulate(transpose)(x[:32, :32], 32, True), x[:32, :32].T)
     with pytest.raises(nki.NkiShimError, match="exceeds \\[32, 32\\]"):
         nki.simulate(transpose)(x, 128, True)
+
+
+@pytest.mark.parametrize("fmt,e,n,k,expected", [
+    ("fp8", 8, 512, 512, 957), ("fp4", 8, 512, 512, 925),
+    pytest.param("fp8", 8, 1024, 2048, 6557, marks=pytest.mark.slow),
+    pytest.param("fp4", 8, 1024, 2048, 6301, marks=pytest.mark.slow),
+])
+def test_grouped_instruction_counts_docs_list(paged, fmt, e, n, k, expected):
+    import nki
+
+    x, w, _, offsets = _grouped_inputs([1] * e, n, k, bias=False)
+    if fmt == "fp8":
+        data, scale = map(torch.stack, zip(*[formats.quantize_fp8(w[i]) for i in range(e)]))
+        launch = grouped_launch.prepare_fp8_grouped(x, data, scale, offsets, None, (32, 32), True, 224.0,
+                                                    torch.bfloat16)
+        _simulate(paged.grouped.fp8_grouped_linear_kernel, launch)
+    else:
+        data, scale = map(torch.stack, zip(*[formats.quantize_fp4(w[i]) for i in range(e)]))
+        launch = grouped_launch.prepare_fp4_grouped(x, data, scale, offsets, None, True, 224.0, torch.bfloat16)
+        _simulate(paged.grouped.fp4_grouped_linear_kernel, launch)
+    assert nki.last_launch.instructions == expected <= dense_launch.INSTRUCTION_BUDGET
