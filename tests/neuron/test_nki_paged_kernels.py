@@ -39,6 +39,19 @@ def paged(nki_backend):
     return SimpleNamespace(attention=attention, grouped=grouped, kv_cache=kv_cache)
 
 
+def _grouped(kernel, launch, lnc=1, budget=dense_launch.INSTRUCTION_BUDGET):
+    """The chain of launches the neuron op runs (grouped_launch.run_grouped), each through nki.simulate."""
+    import nki
+
+    target = kernel if lnc == 1 else kernel[lnc]
+
+    def call(*args):
+        out = nki.simulate(target)(*[to_numpy(a) if isinstance(a, torch.Tensor) else a for a in args])
+        return to_torch(np.asarray(out))
+
+    return grouped_launch.run_grouped(call, launch, budget)
+
+
 def _simulate(kernel, launch, lnc=1):
     import nki
 
@@ -166,6 +179,31 @@ def test_attention_a_wrong_mask_fails_the_bound(paged):
     assert (out.double() - ref.double()).abs().max().item() > 100 * bound
 
 
+def test_attention_over_the_budget_runs_in_request_groups_each_within_it(paged, monkeypatch):
+    import nki
+
+    case = _case(num_requests=3, seq_lens=[20, 11, 9], positions=[17, 18, 19, 8, 9, 10, 6, 7, 8])
+    q, keys, values, k_cache, v_cache, table, positions, seq_lens = build(case)
+    scale = case["d"] ** -0.5
+    launch = paged_launch.prepare_attention(q, k_cache, v_cache, table, positions, seq_lens, 3, 9, False, scale)
+    budget = 2 * paged_launch.attention_instructions(2, 512) + 8  # two requests per core and launch
+    monkeypatch.setattr(nki._core, "DEFAULT_INSTRUCTION_BUDGET", budget)
+    calls = []
+
+    def call(*args):
+        calls.append(args[3].shape[0])
+        out = nki.simulate(paged.attention.paged_window_attention_kernel)(
+            *[to_numpy(a) if isinstance(a, torch.Tensor) else a for a in args])
+        return to_torch(np.asarray(out))
+
+    out = paged_launch.run_attention(call, launch, lnc=1, budget=budget)
+    assert calls == [2, 1]
+    ref = ref_attention.paged_window_attention(q, k_cache, v_cache, table, positions, seq_lens,
+                                               rows_per_request=3, window=9, causal=False, scale=scale)
+    assert (out.double() - ref.double()).abs().max().item() <= 2 * error_bound(q, keys, values, positions,
+                                                                                seq_lens, 3, 9, scale)
+
+
 def test_attention_span_rounds_up_to_splits_and_bounds_traced_calls():
     assert paged_launch.attention_span(1, 4096, 7, 10**6, tracing=False) == 512
     assert paged_launch.attention_span(4102, 4096, 7, 10**6, tracing=False) == 4608
@@ -230,7 +268,7 @@ def test_fp8_grouped_matches_reference(paged, counts, n, k, out_dtype, act_quant
     x, w, b, offsets = _grouped_inputs(counts, n, k, seed=n + k, bias=bias)
     data, scale = map(torch.stack, zip(*[formats.quantize_fp8(w[e]) for e in range(len(counts))]))
     launch = grouped_launch.prepare_fp8_grouped(x, data, scale, offsets, b, (32, 32), act_quant, 224.0, out_dtype)
-    y = _simulate(paged.grouped.fp8_grouped_linear_kernel, launch, lnc)
+    y = _grouped(paged.grouped.fp8_grouped_linear_kernel, launch, lnc)
     ref = ref_grouped.fp8_grouped_linear(x, data, scale, offsets, b, (32, 32), act_quant, 224.0, out_dtype)
     decoded = torch.stack([ref_linear.decode_fp8_rows(data[e], scale[e], (32, 32), 0, n) for e in range(len(counts))])
     _assert_grouped_close(y, ref, x, decoded.float(), b, offsets, act_quant, out_dtype)
@@ -241,7 +279,7 @@ def test_fp8_grouped_other_blocks(paged, block):
     x, w, b, offsets = _grouped_inputs([4, 0, 9], 256, 256, seed=3)
     data, scale = map(torch.stack, zip(*[formats.quantize_fp8(w[e], block=block) for e in range(3)]))
     launch = grouped_launch.prepare_fp8_grouped(x, data, scale, offsets, b, block, True, 224.0, torch.bfloat16)
-    y = _simulate(paged.grouped.fp8_grouped_linear_kernel, launch)
+    y = _grouped(paged.grouped.fp8_grouped_linear_kernel, launch)
     ref = ref_grouped.fp8_grouped_linear(x, data, scale, offsets, b, block, True, 224.0, torch.bfloat16)
     decoded = torch.stack([ref_linear.decode_fp8_rows(data[e], scale[e], block, 0, 256) for e in range(3)])
     _assert_grouped_close(y, ref, x, decoded.float(), b, offsets, True, torch.bfloat16)
@@ -252,7 +290,7 @@ def test_fp4_grouped_matches_reference(paged, counts, n, k, out_dtype, act_quant
     x, w, b, offsets = _grouped_inputs(counts, n, k, seed=n * k, bias=bias)
     data, scale = map(torch.stack, zip(*[formats.quantize_fp4(w[e]) for e in range(len(counts))]))
     launch = grouped_launch.prepare_fp4_grouped(x, data, scale, offsets, b, act_quant, 224.0, out_dtype)
-    y = _simulate(paged.grouped.fp4_grouped_linear_kernel, launch, lnc)
+    y = _grouped(paged.grouped.fp4_grouped_linear_kernel, launch, lnc)
     ref = ref_grouped.fp4_grouped_linear(x, data, scale, offsets, b, act_quant, 224.0, out_dtype)
     decoded = torch.stack([ref_linear.decode_fp4_rows(data[e], scale[e], k, 0, n) for e in range(len(counts))])
     _assert_grouped_close(y, ref, x, decoded.float(), b, offsets, act_quant, out_dtype)
@@ -266,13 +304,42 @@ def test_grouped_empty_experts_decode_nothing(paged):
         x, w, b, offsets = _grouped_inputs(counts, 128, 256, seed=1)
         data, scale = map(torch.stack, zip(*[formats.quantize_fp4(w[e]) for e in range(len(counts))]))
         launch = grouped_launch.prepare_fp4_grouped(x, data, scale, offsets, b, True, 224.0, torch.bfloat16)
-        _simulate(paged.grouped.fp4_grouped_linear_kernel, launch)
+        _grouped(paged.grouped.fp4_grouped_linear_kernel, launch)
         return nki.last_launch.instructions_by_op["dma_transpose"]
 
     one = transposes([5, 0, 0, 0])
     assert transposes([5, 0, 0, 3]) == 2 * one
     assert transposes([1, 1, 1, 1]) == 4 * one
     assert transposes([0, 0, 0, 130]) == 2 * one  # 130 rows: two row tiles of one expert
+
+
+def test_grouped_plan_covers_every_expert_and_column_once_within_the_budget():
+    for experts, n, k, budget in ((8, 512, 512, 20_000), (256, 2048, 7168, 20_000), (4, 18432, 7168, 20_000),
+                                  (3, 1000, 640, 700)):
+        plan = grouped_launch.plan_launches(experts, n, k, budget)
+        cover = torch.zeros(experts, n, dtype=torch.int64)
+        for e0, e1, n0, n1 in plan:
+            cover[e0:e1, n0:n1] += 1
+            assert grouped_launch.estimated_instructions(e1 - e0, n1 - n0, k) <= budget, (e0, e1, n0, n1)
+        assert bool((cover == 1).all()), (experts, n, k)
+    assert len(grouped_launch.plan_launches(8, 512, 512, 20_000)) == 1  # the test shapes: one launch
+
+
+def test_grouped_over_the_budget_runs_as_a_chain_of_launches_each_within_it(paged, monkeypatch):
+    """A small budget forces several launches (expert groups, then N ranges); the stand-in enforces it."""
+    import nki
+
+    counts, n, k = [3, 0, 2, 5], 1000, 640
+    x, w, b, offsets = _grouped_inputs(counts, n, k, seed=7)
+    data, scale = map(torch.stack, zip(*[formats.quantize_fp4(w[e]) for e in range(4)]))
+    ref = ref_grouped.fp4_grouped_linear(x, data, scale, offsets, b, True, 224.0, torch.float32)
+    decoded = torch.stack([ref_linear.decode_fp4_rows(data[e], scale[e], k, 0, n) for e in range(4)])
+    for budget in (1_500, 700):  # two experts per launch; then one expert and 512 columns per launch
+        monkeypatch.setattr(nki._core, "DEFAULT_INSTRUCTION_BUDGET", budget)
+        assert len(grouped_launch.plan_launches(4, n, k, budget)) > 1
+        launch = grouped_launch.prepare_fp4_grouped(x, data, scale, offsets, b, True, 224.0, torch.float32)
+        y = _grouped(paged.grouped.fp4_grouped_linear_kernel, launch, budget=budget)
+        _assert_grouped_close(y, ref, x, decoded.float(), b, offsets, True, torch.float32)
 
 
 def test_grouped_offsets_the_reference_refuses_raise():
@@ -427,9 +494,9 @@ def test_grouped_instruction_counts_docs_list(paged, fmt, e, n, k, expected):
         data, scale = map(torch.stack, zip(*[formats.quantize_fp8(w[i]) for i in range(e)]))
         launch = grouped_launch.prepare_fp8_grouped(x, data, scale, offsets, None, (32, 32), True, 224.0,
                                                     torch.bfloat16)
-        _simulate(paged.grouped.fp8_grouped_linear_kernel, launch)
+        _grouped(paged.grouped.fp8_grouped_linear_kernel, launch)
     else:
         data, scale = map(torch.stack, zip(*[formats.quantize_fp4(w[i]) for i in range(e)]))
         launch = grouped_launch.prepare_fp4_grouped(x, data, scale, offsets, None, True, 224.0, torch.bfloat16)
-        _simulate(paged.grouped.fp4_grouped_linear_kernel, launch)
+        _grouped(paged.grouped.fp4_grouped_linear_kernel, launch)
     assert nki.last_launch.instructions == expected <= dense_launch.INSTRUCTION_BUDGET

@@ -106,16 +106,17 @@ def simulate(kernel, check_outputs_written: bool = True):
         launch = _core.Launch(kernel.lnc, kernel.__name__)
         names = kernel.fn.__code__.co_varnames
 
-        def wrap(i, v):
-            if isinstance(v, np.ndarray):
-                return _core.wrap_input(_to_numpy(v), names[i] if i < len(names) else f"arg{i}")
-            return v
-
         results = []
+        # The inputs are HBM tensors both cores of an LNC=2 launch share: a kernel that writes into an
+        # input (a scatter into the tensor it returns) writes one copy, as on the device.
+        stored = [_core.wrap_input(_to_numpy(v), names[i] if i < len(names) else f"arg{i}")
+                  if isinstance(v, np.ndarray) else None for i, v in enumerate(args)]
+        stored_kw = {k: _core.wrap_input(_to_numpy(v), k) for k, v in kwargs.items() if isinstance(v, np.ndarray)}
         for pid in range(kernel.lnc):
-            # Each core sees its own copy of the inputs' handles over the same bytes.
-            wrapped = [wrap(i, v) for i, v in enumerate(args)]
-            kw = {k: (_core.wrap_input(_to_numpy(v), k) if isinstance(v, np.ndarray) else v) for k, v in kwargs.items()}
+            # Each core gets its own handles (views) over the same bytes.
+            wrapped = [v if st is None else _core.NkiTensor(st.storage, st.arr) for v, st in zip(args, stored)]
+            kw = {k: (_core.NkiTensor(stored_kw[k].storage, stored_kw[k].arr) if k in stored_kw else v)
+                  for k, v in kwargs.items()}
             _core.Launch.current = _core._Program(launch, pid)
             try:
                 results.append(kernel.fn(*wrapped, **kw))

@@ -31,14 +31,6 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
-def _out_dtype(name):
-    if name == "float32":
-        return nl.float32
-    if name == "float16":
-        return nl.float16
-    return nl.bfloat16
-
-
 def _stage_rows(x, rows_idx, k, act_quant, act_peak):
     """``[PT, KT, PT]`` bf16: ``A`` of the tile's rows (gathered by ``rows_idx``), transposed K-major."""
     a_t = nl.ndarray((PT, _cdiv(k, PT), PT), dtype=nl.bfloat16, buffer=nl.sbuf, name="grp_act_T")
@@ -58,7 +50,7 @@ def _stage_rows(x, rows_idx, k, act_quant, act_peak):
     return a_t
 
 
-def _expert_tile(x, weight, scale, bias, y, e, rows_idx, fmt, act_quant, act_peak, out_dtype, block, n_lo, n_hi):
+def _expert_tile(x, weight, scale, bias, y, e, rows_idx, fmt, act_quant, act_peak, block, n_lo, n_hi):
     """``y[rows_idx, n_lo:n_hi] = round(A @ W_e.T + bias_e)`` for one 128-row tile of expert ``e``."""
     k = x.shape[1]
     w_e = weight[e]
@@ -84,7 +76,7 @@ def _expert_tile(x, weight, scale, bias, y, e, rows_idx, fmt, act_quant, act_pea
                 kt = min(PT, k - kb * PT)
                 nisa.nc_matmul(dst=acc[:, :nt], stationary=a_t[:kt, kb, :], moving=w_t[:kt, j, :nt],
                                accumulate=(kb > 0))
-        out_sb = nl.ndarray((PT, N_TILE), dtype=_out_dtype(out_dtype), buffer=nl.sbuf, name="grp_y")
+        out_sb = nl.ndarray((PT, N_TILE), dtype=y.dtype, buffer=nl.sbuf, name="grp_y")
         if bias != None:  # noqa: E711  (NKI has no `is`)
             bias_sb = nl.ndarray((PT, N_TILE), dtype=nl.float32, buffer=nl.sbuf, name="grp_bias")
             nisa.dma_copy(dst=bias_sb[:, :nt], src=bias[e:e + 1, n0:n0 + nt].broadcast(0, PT))
@@ -96,15 +88,14 @@ def _expert_tile(x, weight, scale, bias, y, e, rows_idx, fmt, act_quant, act_pea
                       src=out_sb[:, :nt], oob_mode=nisa.oob_mode.skip)
 
 
-def _grouped(x, weight, scale, bounds, bias, fmt, act_quant, act_peak, out_dtype, block):
+def _grouped(x, weight, scale, bounds, y, bias, fmt, act_quant, act_peak, block, n_begin, n_end):
     """The shared body: one static loop over experts, a dynamic loop over each expert's row tiles."""
     t, k = x.shape
-    n_experts, n, _ = weight.shape
-    y = nl.ndarray((t, n), dtype=_out_dtype(out_dtype), buffer=nl.shared_hbm, name="grp_out")
-    # This core's columns of N: whole 128-column groups (as the dense kernels split under LNC=2).
-    span = _cdiv(_cdiv(n, PT), nl.num_programs(0)) * PT
-    n_lo = min(n, nl.program_id(0) * span)
-    n_hi = min(n, n_lo + span)
+    n_experts = weight.shape[0]
+    # This core's columns of [n_begin, n_end): whole 128-column groups (as the dense kernels split).
+    span = _cdiv(_cdiv(n_end - n_begin, PT), nl.num_programs(0)) * PT
+    n_lo = min(n_end, n_begin + nl.program_id(0) * span)
+    n_hi = min(n_end, n_lo + span)
 
     # bounds[0, e] / bounds[1, e]: first row and end of expert e, on every partition.
     se = nl.ndarray((PT, 2, n_experts), dtype=nl.int32, buffer=nl.sbuf, name="grp_bounds")
@@ -130,22 +121,24 @@ def _grouped(x, weight, scale, bounds, bias, fmt, act_quant, act_peak, out_dtype
             nisa.tensor_scalar(dst=rows_idx, data=idx, op0=nl.subtract, operand0=float(t))
             nisa.tensor_tensor(dst=rows_idx, data1=rows_idx, data2=inside, op=nl.multiply)
             nisa.tensor_scalar(dst=rows_idx, data=rows_idx, op0=nl.add, operand0=float(t))
-            _expert_tile(x, weight, scale, bias, y, e, rows_idx, fmt, act_quant, act_peak, out_dtype, block,
-                         n_lo, n_hi)
+            _expert_tile(x, weight, scale, bias, y, e, rows_idx, fmt, act_quant, act_peak, block, n_lo, n_hi)
             nisa.tensor_scalar(dst=idx, data=idx, op0=nl.add, operand0=float(PT))
     return y
 
 
 @nki.jit
-def fp8_grouped_linear_kernel(x, weight, scale, bounds, bias=None, act_quant=True, act_peak=224.0,
-                              out_dtype="bfloat16", block_rows=32, block_cols=32):
-    """Rows ``bounds[0, e]:bounds[1, e]`` of ``x`` through expert ``e``'s fp8 linear, every expert, one launch.
+def fp8_grouped_linear_kernel(x, weight, scale, bounds, y, bias=None, act_quant=True, act_peak=224.0,
+                              block_rows=32, block_cols=32, n_begin=0, n_end=1):
+    """Rows ``bounds[0, e]:bounds[1, e]`` of ``x`` through expert ``e``'s fp8 linear, all experts given, one launch.
 
     Args (HBM): ``x`` ``[T, K]`` bf16 (rows sorted by expert); ``weight`` ``[E, N, K]`` uint8
     (e4m3fn bytes); ``scale`` ``[E, ceil(N/bn), K/bk]`` uint8 e8m0 codes (exact for codes in
     ``FP8_EXACT_CODES`` of :mod:`.launch`); ``bounds`` ``[2, E]`` int32 (first row, end row of each expert: every row of
-    ``x`` in exactly one range); ``bias`` ``[E, N]`` fp32 or ``None``. ``K % 32 == 0``, ``T < 2**24``;
-    blocks as :func:`.linear.fp8_linear_kernel`. Returns ``[T, N]`` of ``out_dtype``.
+    ``x`` in at most one range); ``y`` ``[T, N]`` (bf16/fp16/fp32), the output, written in place and
+    returned: columns ``n_begin:n_end`` of the rows of these experts (``N`` here is ``y``'s; the
+    weight holds only those experts, so a layer with more experts than fit the instruction budget
+    is several launches, each writing its experts' rows, see :mod:`.grouped_launch`); ``bias``
+    ``[E, N]`` fp32 or ``None``. ``K % 32 == 0``, ``T < 2**24``; blocks as the dense fp8 kernel.
 
     Tiling: for each expert (static loop), for each of its 128-row tiles (dynamic loop,
     trip count ``ceil(rows_e / 128)`` loaded into a register)::
@@ -167,20 +160,21 @@ def fp8_grouped_linear_kernel(x, weight, scale, bounds, bias=None, act_quant=Tru
     core takes half of N.
     """
     assert (not act_quant) or act_peak <= 240.0, "act_peak > 240: Trainium2's fp8 e4m3 saturates at 240"
-    return _grouped(x, weight, scale, bounds, bias, "fp8", act_quant, act_peak, out_dtype, (block_rows, block_cols))
+    return _grouped(x, weight, scale, bounds, y, bias, "fp8", act_quant, act_peak, (block_rows, block_cols), n_begin,
+                    n_end)
 
 
 @nki.jit
-def fp4_grouped_linear_kernel(x, weight, scale, bounds, bias=None, act_quant=True, act_peak=224.0,
-                              out_dtype="bfloat16"):
+def fp4_grouped_linear_kernel(x, weight, scale, bounds, y, bias=None, act_quant=True, act_peak=224.0, n_begin=0,
+                              n_end=1):
     """Rows ``bounds[0, e]:bounds[1, e]`` of ``x`` through expert ``e``'s MXFP4 linear (W4A8 by default).
 
     Args (HBM): ``x`` ``[T, K]`` bf16; ``weight`` ``[E, N, K/2]`` uint8 (element ``2j`` in the low
     nibble of byte ``j``); ``scale`` ``[E, N, K/32]`` uint8 e8m0 codes (exact for ``FP4_EXACT_CODES``);
-    ``bounds``, ``bias`` as :func:`fp8_grouped_linear_kernel`. ``K % 64 == 0``.
+    ``bounds``, ``y``, ``bias``, ``n_begin``, ``n_end`` as :func:`fp8_grouped_linear_kernel`. ``K % 64 == 0``.
 
     Tiling, SBUF/PSUM and instruction counts as :func:`fp8_grouped_linear_kernel`, with the
     fp4 decode (:func:`.decode.decode_fp4_tile`).
     """
     assert (not act_quant) or act_peak <= 240.0, "act_peak > 240: Trainium2's fp8 e4m3 saturates at 240"
-    return _grouped(x, weight, scale, bounds, bias, "fp4", act_quant, act_peak, out_dtype, (32, 32))
+    return _grouped(x, weight, scale, bounds, y, bias, "fp4", act_quant, act_peak, (32, 32), n_begin, n_end)

@@ -18,9 +18,54 @@ from ...reference import grouped as ref
 from . import launch as dense
 from .launch import FP4_EXACT_CODES, FP8_EXACT_CODES, KernelLaunch
 
-__all__ = ["prepare_fp8_grouped", "prepare_fp4_grouped"]
+__all__ = ["prepare_fp8_grouped", "prepare_fp4_grouped", "plan_launches", "estimated_instructions", "run_grouped"]
 
 _MAX_ROWS = 2**24  # row indices pass through the engines' fp32 math: exact below 2**24
+_N_TILE, _K_CHUNK = 512, 512
+
+
+def estimated_instructions(experts: int, n: int, k: int) -> int:
+    """An upper estimate of one launch's instruction count (per core) for ``experts`` experts, ``N = n``.
+
+    The kernel emits its row-tile body once per expert: staging and qdq per 512-column chunk of
+    K, a decode and transposes per (512-column N tile, K chunk). Fitted above the stand-in's
+    counts (957 for 8 experts, N = K = 512; 6,557 for 8 experts, N = 1024, K = 2048).
+    """
+    chunks, tiles = -(-k // _K_CHUNK), -(-n // _N_TILE)
+    return 16 + experts * (20 + 30 * chunks + 90 * tiles * chunks)
+
+
+def plan_launches(experts: int, n: int, k: int, budget: int) -> list:
+    """``[(e0, e1, n0, n1), ...]``: launches covering every (expert, column) once, each within ``budget``.
+
+    Experts are grouped as many per launch as fit; an expert whose full N does not fit gets its
+    N split into ranges of whole 512-column tiles, one launch each.
+    """
+    per_expert = estimated_instructions(1, n, k)
+    if per_expert <= budget:
+        group = max(1, (budget - 16) // (per_expert - 16))
+        return [(e0, min(experts, e0 + group), 0, n) for e0 in range(0, experts, group)]
+    chunks = -(-k // _K_CHUNK)
+    tiles = max(1, (budget - 36 - 30 * chunks) // (90 * chunks))
+    width = tiles * _N_TILE
+    return [(e, e + 1, n0, min(n, n0 + width)) for e in range(experts) for n0 in range(0, n, width)]
+
+
+def run_grouped(call, launch: KernelLaunch, budget: int) -> torch.Tensor:
+    """Run a prepared grouped launch as the chain of kernel calls :func:`plan_launches` gives.
+
+    ``call(x, weight, scale, bounds, y, bias, *options, n_begin, n_end)`` runs one kernel (the
+    private op on neuron, ``nki.simulate`` in the tests) and returns ``y`` with its experts' rows
+    written in columns ``n_begin:n_end``; the first call gets an uninitialised ``y``, and the plan
+    covers every row and column, so the last returns the whole product.
+    """
+    x, weight, scale, bounds, bias = launch.tensors
+    n = weight.shape[1]
+    y = x.new_empty((x.shape[0], n), dtype=launch.out_dtype)
+    for e0, e1, n0, n1 in plan_launches(weight.shape[0], n, x.shape[1], budget):
+        y = call(x, weight[e0:e1], scale[e0:e1], bounds[:, e0:e1].contiguous(), y,
+                 None if bias is None else bias[e0:e1], *launch.options.values(), n0, n1)
+    return y.reshape(launch.out_shape)
 
 
 def _fallback(x, n, out_dtype, reason) -> KernelLaunch:
@@ -83,6 +128,7 @@ def prepare_fp8_grouped(x, weight, scale, offsets, bias, block: Sequence[int], a
                _bounds(offsets, x.shape[0], tracing, guards), _bias(bias))
     options = {"act_quant": bool(act_quant), "act_peak": float(act_peak)}
     launch = dense._launch("fp8_grouped_linear_kernel", x, n, tensors, options, out_dtype)
+    del launch.options["out_dtype"]  # the kernel writes into y, allocated with launch.out_dtype
     launch.options.update(block_rows=bn, block_cols=bk)
     launch.guards = guards
     return launch
@@ -106,5 +152,6 @@ def prepare_fp4_grouped(x, weight, scale, offsets, bias, act_quant: bool, act_pe
                _bounds(offsets, x.shape[0], tracing, guards), _bias(bias))
     options = {"act_quant": bool(act_quant), "act_peak": float(act_peak)}
     launch = dense._launch("fp4_grouped_linear_kernel", x, n, tensors, options, out_dtype)
+    del launch.options["out_dtype"]  # the kernel writes into y, allocated with launch.out_dtype
     launch.guards = guards
     return launch

@@ -21,9 +21,10 @@ from typing import Optional
 import torch
 
 from ...reference import attention as ref
-from .launch import KernelLaunch
+from .launch import INSTRUCTION_BUDGET, KernelLaunch
 
-__all__ = ["SPLIT", "prepare_kv_write", "prepare_attention", "attention_span"]
+__all__ = ["SPLIT", "prepare_kv_write", "prepare_attention", "attention_span", "attention_instructions",
+           "run_attention"]
 
 SPLIT = 512  # cache positions per split of the attention kernel (attention.CHUNK)
 _PT = 128
@@ -93,6 +94,36 @@ def attention_span(need: int, window: int, rows_per_request: int, capacity: int,
     return max(SPLIT, -(-need // SPLIT) * SPLIT)
 
 
+def attention_instructions(kv_heads: int, span: int) -> int:
+    """An upper estimate of the attention kernel's instructions per request (per core).
+
+    Per KV head ~14 for the query tile and the merge plus ~66 per 512-position split; fitted
+    above the stand-in's counts (313 for 4 KV heads and 1 split, 2,393 for 4 and 9).
+    """
+    return 2 + kv_heads * (14 + 66 * (span // SPLIT))
+
+
+def run_attention(call, launch: KernelLaunch, lnc: int, budget: int = INSTRUCTION_BUDGET) -> torch.Tensor:
+    """Run a prepared attention launch as kernel calls over groups of requests, each within ``budget``.
+
+    ``call(*tensors, *options)`` runs one kernel; under LNC ``lnc`` the cores take alternate
+    requests, so a launch holds ``lnc`` times the requests one core's budget allows.
+    """
+    q, k_cache, v_cache, key_rows, key_pos, row_bounds = launch.tensors
+    rpr = launch.options["rows_per_request"]
+    n_requests, span = key_rows.shape
+    per_core = max(1, (budget - 8) // attention_instructions(k_cache.shape[1] // q.shape[2], span))
+    group = per_core * lnc
+    if group >= n_requests:
+        return call(*launch.tensors, *launch.options.values())
+    outs = []
+    for r0 in range(0, n_requests, group):
+        r1 = min(n_requests, r0 + group)
+        outs.append(call(q[r0 * rpr:r1 * rpr], k_cache, v_cache, key_rows[r0:r1], key_pos[r0:r1],
+                         row_bounds[r0 * rpr:r1 * rpr], *launch.options.values()))
+    return torch.cat(outs)
+
+
 def prepare_attention(q, k_cache, v_cache, block_table, positions, seq_lens, rows_per_request, window, causal,
                       scale, tracing: bool = False) -> KernelLaunch:
     """Check and lay out ``paged_window_attention``'s arguments for ``paged_window_attention_kernel``.
@@ -127,6 +158,10 @@ def prepare_attention(q, k_cache, v_cache, block_table, positions, seq_lens, row
     lo, hi = ref.visible_range(positions, seq_lens, rows_per_request, window)
     need = 0 if tracing else int((hi - lo).max())
     span = attention_span(need, window, rows_per_request, capacity, tracing)
+    if attention_instructions(hkv, span) + 8 > INSTRUCTION_BUDGET:
+        launch.kernel, launch.fallback = None, (
+            f"a span of {span} cache positions: one request alone would exceed the kernel's instruction budget")
+        return launch
     if tracing:
         _check(hi - lo > span, f"paged_window_attention on neuron under torch.compile: a request sees more than "
                f"{span} cache positions (window + rows_per_request - 1, rounded up to {SPLIT}); run it eagerly",

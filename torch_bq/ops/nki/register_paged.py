@@ -23,6 +23,7 @@ from ...reference import attention as ref_attention
 from ...reference import grouped as ref_grouped
 from .. import _backend
 from . import grouped_launch, paged_launch
+from .launch import INSTRUCTION_BUDGET
 
 __all__ = ["PAGED_OPS", "register"]
 
@@ -59,17 +60,22 @@ def register(nki_op, wrap_nki, trace_on_neuron, functional_mode) -> None:
 
     @nki_op("torch_bq_nki::fp8_grouped_linear", mutates_args={})
     def nki_fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bounds: torch.Tensor,
-                               bias: Optional[torch.Tensor], act_quant: bool, act_peak: float, out_dtype: str,
-                               block_rows: int, block_cols: int, lnc: int) -> torch.Tensor:
+                               y: torch.Tensor, bias: Optional[torch.Tensor], act_quant: bool, act_peak: float,
+                               block_rows: int, block_cols: int, n_begin: int, n_end: int, lnc: int) -> torch.Tensor:
         return launcher(grouped_kernels.fp8_grouped_linear_kernel, lnc)(
-            x, weight, scale, bounds, bias, act_quant, act_peak, out_dtype, block_rows, block_cols)
+            x, weight, scale, bounds, y, bias, act_quant, act_peak, block_rows, block_cols, n_begin, n_end)
 
     @nki_op("torch_bq_nki::fp4_grouped_linear", mutates_args={})
     def nki_fp4_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bounds: torch.Tensor,
-                               bias: Optional[torch.Tensor], act_quant: bool, act_peak: float, out_dtype: str,
-                               lnc: int) -> torch.Tensor:
+                               y: torch.Tensor, bias: Optional[torch.Tensor], act_quant: bool, act_peak: float,
+                               n_begin: int, n_end: int, lnc: int) -> torch.Tensor:
         return launcher(grouped_kernels.fp4_grouped_linear_kernel, lnc)(
-            x, weight, scale, bounds, bias, act_quant, act_peak, out_dtype)
+            x, weight, scale, bounds, y, bias, act_quant, act_peak, n_begin, n_end)
+
+    def grouped(op, launch):
+        _assert_guards(launch)
+        lnc = _backend.neuron_lnc()
+        return grouped_launch.run_grouped(lambda *args: op(*args, lnc), launch, INSTRUCTION_BUDGET)
 
     def call(op, launch):
         _assert_guards(launch)
@@ -97,7 +103,9 @@ def register(nki_op, wrap_nki, trace_on_neuron, functional_mode) -> None:
                 window=window, causal=causal, scale=scale)
         if launch.kernel is None:
             return torch.empty_like(q, memory_format=torch.contiguous_format)
-        return call(nki_paged_window_attention, launch)
+        _assert_guards(launch)
+        lnc = _backend.neuron_lnc()
+        return paged_launch.run_attention(lambda *args: nki_paged_window_attention(*args, lnc), launch, lnc)
 
     def fp8_grouped_linear(x, weight, scale, offsets, bias, block, act_quant, act_peak, out_dtype, tracing=False):
         launch = grouped_launch.prepare_fp8_grouped(x, weight, scale, offsets, bias, block, act_quant, act_peak,
@@ -107,7 +115,7 @@ def register(nki_op, wrap_nki, trace_on_neuron, functional_mode) -> None:
                                                   out_dtype)
         if launch.kernel is None:
             return x.new_empty(launch.out_shape, dtype=out_dtype)
-        return call(nki_fp8_grouped_linear, launch)
+        return grouped(nki_fp8_grouped_linear, launch)
 
     def fp4_grouped_linear(x, weight, scale, offsets, bias, act_quant, act_peak, out_dtype, tracing=False):
         launch = grouped_launch.prepare_fp4_grouped(x, weight, scale, offsets, bias, act_quant, act_peak, out_dtype,
@@ -116,7 +124,7 @@ def register(nki_op, wrap_nki, trace_on_neuron, functional_mode) -> None:
             return ref_grouped.fp4_grouped_linear(x, weight, scale, offsets, bias, act_quant, act_peak, out_dtype)
         if launch.kernel is None:
             return x.new_empty(launch.out_shape, dtype=out_dtype)
-        return call(nki_fp4_grouped_linear, launch)
+        return grouped(nki_fp4_grouped_linear, launch)
 
     impls = {"paged_kv_write": paged_kv_write, "paged_window_attention": paged_window_attention,
              "fp8_grouped_linear": fp8_grouped_linear, "fp4_grouped_linear": fp4_grouped_linear}
