@@ -1,4 +1,4 @@
-"""NKI kernels for ``torch_bq::fp8_grouped_linear`` / ``fp4_grouped_linear``: all experts in one launch.
+"""NKI kernels for ``torch_bq::fp8_grouped_linear`` / ``fp4_grouped_linear``: many experts per launch.
 
 Importing this module imports ``nki``; only the neuron registration and the tests do so.
 Arguments arrive laid out by :mod:`torch_bq.ops.nki.grouped_launch`. Each expert's rows get
@@ -11,6 +11,9 @@ runs a dynamic loop (``nl.dynamic_range`` over a register) over that expert's 12
 so an expert with no rows runs no iteration and its weight is never read or decoded. Rows
 are gathered and the results scattered with indirect DMA (one row index per partition);
 rows of a tile past the expert's end carry the out-of-bounds index ``T`` and are skipped.
+The output ``y`` is an argument the kernel writes into and returns, so that the experts and
+columns of a layer too large for one launch's instruction budget are a chain of launches
+(:func:`torch_bq.ops.nki.grouped_launch.run_grouped`); small layers are one launch.
 """
 
 from __future__ import annotations
