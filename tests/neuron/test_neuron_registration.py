@@ -107,19 +107,23 @@ def test_every_public_op_on_neuron_calls_its_kernel_and_matches_the_reference():
     out = _on_stand_in(
         """
         from torch_bq.testing import assert_linear_close
-        x, w, b = torch.randn(2, 3, 64, generator=g), torch.randn(40, 64, generator=g) * 0.1, torch.randn(40, generator=g)
+        x = torch.randn(2, 3, 64, generator=g)
+        w, b = torch.randn(40, 64, generator=g) * 0.1, torch.randn(40, generator=g)
         n = lambda *ts: [to_neuron(t) for t in ts]
         d8, s8 = formats.quantize_fp8(w)
         d4, s4 = formats.quantize_fp4(w)
+        qx = formats.qdq_fp8(x)
         res = {}
-        cases = {
-            "fp8": (torch_bq.ops.fp8_linear(*n(x, d8, s8, b)), ref.fp8_linear(x, d8, s8, b, (32, 32), True, 224.0, torch.bfloat16)),
-            "fp4": (torch_bq.ops.fp4_linear(*n(x, d4, s4, b)), ref.fp4_linear(x, d4, s4, b, True, 224.0, torch.bfloat16)),
-            "bf16": (torch_bq.ops.bf16_linear(*n(x, w.bfloat16(), b)), ref.bf16_linear(x, w.bfloat16(), b, torch.bfloat16)),
-            "fp32w": (torch_bq.ops.fp32w_linear(*n(x, w, b)), ref.fp32w_linear(x, w, b, torch.bfloat16)),
+        cases = {  # output, activation operand, decoded weight (the bound of torch_bq.testing)
+            "fp8": (torch_bq.ops.fp8_linear(*n(x, d8, s8, b)), qx,
+                    formats.dequantize_fp8(d8, s8, (32, 32), torch.float32)),
+            "fp4": (torch_bq.ops.fp4_linear(*n(x, d4, s4, b)), qx, formats.dequantize_fp4(d4, s4, 64, torch.float32)),
+            "bf16": (torch_bq.ops.bf16_linear(*n(x, w.bfloat16(), b)), x.bfloat16(), w.bfloat16().float()),
+            "fp32w": (torch_bq.ops.fp32w_linear(*n(x, w, b)), x.bfloat16(), w.bfloat16().float()),
         }
-        for name, (y, r) in cases.items():
-            res[name] = [y.device.type, list(y.shape), bool(torch.allclose(to_cpu(y).float(), r.float(), rtol=2**-7, atol=1e-3))]
+        for name, (y, a, wd) in cases.items():
+            assert_linear_close(to_cpu(y), a.float(), wd, b, msg=name)
+            res[name] = [y.device.type, list(y.shape), True]
         q = torch_bq.ops.qdq_fp8(to_neuron(x))
         res["qdq_exact"] = torch.equal(bits(q), formats.qdq_fp8(x).contiguous().view(torch.uint8))
         res["calls"] = dict(kernel_calls)
@@ -328,7 +332,8 @@ def test_large_m_decodes_the_weight_once_then_runs_bf16_gemm_chunks():
     out = _on_stand_in(
         """
         from torch_bq.ops.nki import launch as prep
-        x, w, b = torch.randn(300, 256, generator=g), torch.randn(96, 256, generator=g) * 0.1, torch.randn(96, generator=g)
+        x, w = torch.randn(300, 256, generator=g), torch.randn(96, 256, generator=g) * 0.1
+        b = torch.randn(96, generator=g)
         res = {}
         for fmt in ("fp8", "fp4"):
             d, s = formats.quantize_fp8(w) if fmt == "fp8" else formats.quantize_fp4(w)
@@ -379,7 +384,8 @@ def test_large_m_gemm_is_split_over_rows_and_columns_within_the_budget():
         """
         from torch_bq.ops.nki import launch as prep
         prep.DECODE_M_MAX, prep.INSTRUCTION_BUDGET = 8, 300  # per N tile 32 * 1 + 8 = 40: 6 tiles, 1 group
-        x, w, b = torch.randn(600, 512, generator=g), torch.randn(3200, 512, generator=g) * 0.1, torch.randn(3200, generator=g)
+        x, w = torch.randn(600, 512, generator=g), torch.randn(3200, 512, generator=g) * 0.1
+        b = torch.randn(3200, generator=g)
         d, s = formats.quantize_fp4(w)
         y = torch_bq.ops.fp4_linear(to_neuron(x), to_neuron(d), to_neuron(s), to_neuron(b))
         chunks = list(prep.gemm_chunks(3200, 512))

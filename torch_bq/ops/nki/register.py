@@ -225,12 +225,23 @@ def register_neuron_kernels() -> bool:
             return torch.empty_like(x, dtype=torch.bfloat16)
         return with_lnc(nki_qdq_fp8)(*launch.tensors, *launch.options.values()).reshape(x.shape)
 
-    impls = {"fp8_linear": fp8_linear, "fp4_linear": fp4_linear, "bf16_linear": bf16_linear,
-             "fp32w_linear": fp32w_linear, "qdq_fp8": qdq_fp8}
+    from .. import linear as public
+
+    impls = {"fp8_linear": (public._fp8_linear, fp8_linear), "fp4_linear": (public._fp4_linear, fp4_linear),
+             "bf16_linear": (public._bf16_linear, bf16_linear), "fp32w_linear": (public._fp32w_linear, fp32w_linear),
+             "qdq_fp8": (public._qdq_fp8, qdq_fp8)}
+    # The backend selector's registration (switchable by fast_kernels_disabled) where it exists.
+    register_kernel = getattr(_backend, "register_fast_kernel", None)
     for name in NEURON_OPS:
-        torch.library.register_kernel(f"torch_bq::{name}", "neuron", impls[name])
-        torch.library.register_torch_dispatch(f"torch_bq::{name}", FunctionalTensorMode,
-                                              _trace_on_neuron(impls[name]))
+        op, impl = impls[name]
+        if register_kernel is not None:
+            register_kernel(op, "neuron", impl)
+        else:
+            op.register_kernel("neuron")(impl)
+        op.register_torch_dispatch(FunctionalTensorMode, _trace_on_neuron(impl))
+    report = getattr(_backend, "report_backend", None)
+    if report is not None:
+        report("neuron", kernels="nki", lnc=_backend.neuron_lnc(), ops=list(NEURON_OPS))
 
     # The KV-cache, attention and grouped (MoE) kernels, registered the same way (register_paged).
     from . import register_paged
