@@ -126,8 +126,19 @@ def register(nki_op, wrap_nki, trace_on_neuron, functional_mode) -> None:
             return x.new_empty(launch.out_shape, dtype=out_dtype)
         return grouped(nki_fp4_grouped_linear, launch)
 
-    impls = {"paged_kv_write": paged_kv_write, "paged_window_attention": paged_window_attention,
-             "fp8_grouped_linear": fp8_grouped_linear, "fp4_grouped_linear": fp4_grouped_linear}
+    from .. import attention as public_attention
+    from .. import grouped as public_grouped
+
+    impls = {"paged_kv_write": (public_attention._paged_kv_write, paged_kv_write),
+             "paged_window_attention": (public_attention._paged_window_attention, paged_window_attention),
+             "fp8_grouped_linear": (public_grouped._fp8_grouped_linear, fp8_grouped_linear),
+             "fp4_grouped_linear": (public_grouped._fp4_grouped_linear, fp4_grouped_linear)}
+    # As register.py does: through the backend selector's registration where it exists.
+    register_kernel = getattr(_backend, "register_fast_kernel", None)
     for name in PAGED_OPS:
-        torch.library.register_kernel(f"torch_bq::{name}", "neuron", impls[name])
-        torch.library.register_torch_dispatch(f"torch_bq::{name}", functional_mode, trace_on_neuron(impls[name]))
+        op, impl = impls[name]
+        if register_kernel is not None:
+            register_kernel(op, "neuron", impl)
+        else:
+            op.register_kernel("neuron")(impl)
+        op.register_torch_dispatch(functional_mode, trace_on_neuron(impl))
