@@ -26,6 +26,7 @@ import numpy as np
 
 from . import _core
 from ._core import MemoryRegion, NkiShimError, NkiTensor, cast_on_write, fmt_shape
+from .rules import tag
 
 
 class oob_mode(Enum):  # noqa: N801  (the real module's name)
@@ -60,7 +61,7 @@ class AccessPattern:
             raise NkiShimError(f"{op}: indirect_dim {indirect_dim} out of range for {fmt_shape(tensor)}")
         pattern = [tuple(int(v) for v in pair) for pair in pattern]
         if len(pattern) < 2 or any(len(pair) != 2 or pair[1] < 1 for pair in pattern):
-            raise NkiShimError(f"{op}: pattern must be [[stride, count], ...] with a partition entry first, got {pattern}")
+            raise NkiShimError(f"{op}: pattern must be [[stride, count], ...], partition entry first; got {pattern}")
         itemsize = tensor.dtype.itemsize
         row_stride = tensor.arr.strides[indirect_dim] // itemsize
         if pattern[0][1] != vector_offset.shape[0]:
@@ -99,7 +100,8 @@ class AccessPattern:
         valid = (idx >= 0) & (idx < self.rows)
         if not valid.all() and mode != oob_mode.skip:
             p = int(np.flatnonzero(~valid)[0])
-            raise NkiShimError(f"{op}: index {int(idx[p])} at partition {p} is outside dim of size {self.rows} of "
+            raise NkiShimError(f"{tag('isa-indirect-dma')} {op}: index {int(idx[p])} at partition {p} is outside "
+                               f"dim of size {self.rows} of "
                                f"{fmt_shape(self.tensor)} (oob_mode.error; pass oob_mode=nisa.oob_mode.skip to skip)")
         _, start = self._flat()
         addr = start + np.where(valid, idx, 0)[:, None] * self.row_stride + self.free_offsets[None, :]
@@ -160,12 +162,13 @@ class VirtualRegister:
         return self.value
 
     def __index__(self):
-        raise NkiShimError("a VirtualRegister has no compile-time value: use it as a dynamic_range bound")
+        raise NkiShimError(f"{tag('rt-register')} a VirtualRegister has no compile-time value: use it as a "
+                           "dynamic_range bound")
 
     __int__ = __index__
 
     def __bool__(self):
-        raise NkiShimError("a VirtualRegister in Python control flow: use nl.dynamic_range")
+        raise NkiShimError(f"{tag('rt-register')} a VirtualRegister in Python control flow: use nl.dynamic_range")
 
 
 def register_alloc(x=None) -> VirtualRegister:
@@ -200,7 +203,8 @@ class DynamicIndex:
     """A dynamic loop's induction variable: a register, so no Python arithmetic or indexing with it."""
 
     def __index__(self):
-        raise NkiShimError("the induction variable of nl.dynamic_range is a register, not a Python int")
+        raise NkiShimError(f"{tag('rt-register')} the induction variable of nl.dynamic_range is a register, "
+                           "not a Python int")
 
     __int__ = __index__
     __add__ = __radd__ = __mul__ = __rmul__ = __sub__ = __rsub__ = __floordiv__ = lambda self, other: self.__index__()
