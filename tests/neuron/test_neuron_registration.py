@@ -34,6 +34,15 @@ from torch_bq.ops import _backend
 from torch_bq.ops.nki import register
 from torch_bq.reference import linear as ref
 from torch_neuronx import kernel_calls, to_cpu, to_neuron
+import nki
+from torch_bq.ops.nki import launch as prep
+
+
+def set_budget(n):  # torch_bq's instruction budget, which the stand-in then enforces on every launch
+    prep.INSTRUCTION_BUDGET = nki._core.DEFAULT_INSTRUCTION_BUDGET = n
+
+
+set_budget(prep.INSTRUCTION_BUDGET)
 _backend.neuron_available = lambda: True
 assert register.register_neuron_kernels()
 g = torch.Generator().manual_seed(0)
@@ -365,8 +374,9 @@ def test_large_m_dequant_is_split_into_launches_within_the_budget(block):
     out = _on_stand_in(
         f"""
         from torch_bq.ops.nki import launch as prep
-        prep.DECODE_M_MAX, prep.INSTRUCTION_BUDGET = 8, 800  # dequant_rows(512) = 128 * 36 ... then 256
-        prep.DEQUANT_TILE_INSTRUCTIONS = 300  # -> 2 blocks (256 rows) per launch
+        prep.DECODE_M_MAX = 8
+        set_budget(800)
+        prep.DEQUANT_TILE_INSTRUCTIONS = 300  # -> dequant_rows(512) = 2 blocks (256 rows) per launch
         x, w = torch.randn(20, 512, generator=g), torch.randn(700, 512, generator=g) * 0.1
         d, s = formats.quantize_fp8(w, block={block})
         y = torch_bq.ops.fp8_linear(to_neuron(x), to_neuron(d), to_neuron(s), block={block})
@@ -383,13 +393,15 @@ def test_large_m_gemm_is_split_over_rows_and_columns_within_the_budget():
     out = _on_stand_in(
         """
         from torch_bq.ops.nki import launch as prep
-        prep.DECODE_M_MAX, prep.INSTRUCTION_BUDGET = 8, 300  # per N tile 32 * 1 + 8 = 40: 6 tiles, 1 group
+        prep.DECODE_M_MAX = 8
+        set_budget(300)  # per N tile 16 + 4 * 4 + 8 = 40: 6 tiles (3072 columns), 1 group (512 rows)
         x, w = torch.randn(600, 512, generator=g), torch.randn(3200, 512, generator=g) * 0.1
         b = torch.randn(3200, generator=g)
         d, s = formats.quantize_fp4(w)
         y = torch_bq.ops.fp4_linear(to_neuron(x), to_neuron(d), to_neuron(s), to_neuron(b))
         chunks = list(prep.gemm_chunks(3200, 512))
-        prep.DECODE_M_MAX, prep.INSTRUCTION_BUDGET = 10**6, 20_000
+        prep.DECODE_M_MAX = 10**6
+        set_budget(20_000)
         fused = torch_bq.ops.fp4_linear(to_neuron(x), to_neuron(d), to_neuron(s), to_neuron(b))
         print(json.dumps({"chunks": chunks, "calls": dict(kernel_calls),
                           "equal": torch.equal(bits(y), bits(fused))}))
@@ -398,3 +410,25 @@ def test_large_m_gemm_is_split_over_rows_and_columns_within_the_budget():
     assert out["chunks"] == [512, 3072]
     # 600 rows in 2 row chunks x 3200 columns in 2 column chunks = 4 GEMM launches, bit-identical to fused.
     assert out["calls"]["bf16_linear_kernel"] == 4 and out["equal"], out
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_fused_kernel_is_split_over_columns_within_the_budget(fmt):
+    """Decode-sized M with a wide N: fused launches over column chunks, bit-identical to one launch."""
+    out = _on_stand_in(
+        f"""
+        from torch_bq.ops.nki import launch as prep
+        x, w = torch.randn(5, 512, generator=g), torch.randn(1300, 512, generator=g) * 0.1
+        b = torch.randn(1300, generator=g)
+        d, s = formats.quantize_{fmt}(w)
+        op = torch_bq.ops.{fmt}_linear
+        whole = op(to_neuron(x), to_neuron(d), to_neuron(s), to_neuron(b))
+        set_budget(250)  # fused_cols(5, 512) -> 512 columns per launch
+        cols = prep.fused_cols(5, 512)
+        kernel_calls.clear()
+        split = op(to_neuron(x), to_neuron(d), to_neuron(s), to_neuron(b))
+        print(json.dumps({{"cols": cols, "calls": dict(kernel_calls), "equal": torch.equal(bits(split), bits(whole))}}))
+        """
+    )
+    assert out["cols"] == 512
+    assert out["calls"] == {f"{fmt}_linear_kernel": 3} and out["equal"], out  # 1300 columns in 3 launches

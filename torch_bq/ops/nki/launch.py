@@ -38,6 +38,7 @@ __all__ = [
     "decode_once",
     "dequant_rows",
     "gemm_chunks",
+    "fused_cols",
     "check_act_peak",
     "prepare_fp8_linear",
     "prepare_fp4_linear",
@@ -62,6 +63,11 @@ GEMM_M_CHUNK = 1024
 # The dequant kernels issue ~19 (fp8) / ~18 (fp4) instructions per 128 x 512 weight tile (measured on
 # the stand-in, docs/nki.md); dequant_rows() sizes each launch's share of N rows from this.
 DEQUANT_TILE_INSTRUCTIONS = 20
+
+# The fused GEMMs stage up to MAX_GROUP M tiles K-major at once (one PSUM bank each), within
+# STAGE_BYTES per partition (linear.py's tiling; fused_cols() plans with the same numbers).
+STAGE_BYTES = 64 * 1024
+MAX_GROUP = 4
 
 # e8m0 codes whose weights the kernels' bf16 decode represents exactly (derived in
 # decode.py's docstring); a weight with a code outside is served by the reference.
@@ -99,25 +105,65 @@ def dequant_rows(k: int) -> int:
     return 128 * blocks
 
 
+def _group(k: int) -> int:
+    """M tiles staged together by the GEMMs (linear.py): up to MAX_GROUP within STAGE_BYTES."""
+    return max(1, min(MAX_GROUP, STAGE_BYTES // (2 * 128 * -(-k // 128))))
+
+
+def _room() -> int:
+    return 9 * INSTRUCTION_BUDGET // 10  # a tenth of headroom for the estimate's error
+
+
+def _fused_cost(m: int, k: int) -> tuple[int, int]:
+    """``(per 512-column N tile, fixed)`` instructions of a fused fp8/fp4 launch on one core.
+
+    Per N tile and group of ``g`` staged M tiles: per 512-column K chunk four 128-row decodes with
+    their transposes (``4 * (decode + 4)``) and ``4 g`` matmuls, plus ``2 g`` for the output; fixed:
+    staging the activations (qdq and transposes), ~24 per 128 x 512 activation chunk.
+    """
+    kc, m_tiles, g = -(-k // 512), -(-m // 128), _group(k)
+    groups = -(-m_tiles // g)
+    return groups * (kc * (4 * (DEQUANT_TILE_INSTRUCTIONS + 4) + 4 * g) + 2 * g), m_tiles * kc * 24
+
+
+def fused_cols(m: int, k: int, block_rows: int = 1) -> int:
+    """Columns of ``y`` per launch of a fused fp8/fp4 kernel, so each stays within the budget.
+
+    Planned for one core (LNC=2 halves each core's share); chunks start on a scale row
+    (``block_rows`` > 128). See :func:`_fused_cost`; :func:`decode_once` routes shapes where not
+    even one N tile fits to the decode-once path.
+    """
+    per_tile, fixed = _fused_cost(m, k)
+    cols = 512 * max(1, (_room() - fixed) // per_tile)
+    if block_rows > 128:
+        cols = -(-cols // block_rows) * block_rows
+    return cols
+
+
 def gemm_chunks(n: int, k: int) -> tuple[int, int]:
     """``(rows, cols)`` of ``y`` per bf16 GEMM launch of the large-M path, so each stays within the budget.
 
-    Per 512-column N tile a group of 4 staged M tiles costs ~``32 * ceil(K/512) + 8`` instructions
-    (16 weight transposes and 16 matmuls per 512-column K chunk, plus the output): the columns per
-    launch are the N tiles that fit, the rows the groups that fit with them (planned for one core;
-    LNC=2 halves each core's share).
+    Per 512-column N tile a group of ``g`` staged M tiles costs ~``ceil(K/512) * (16 + 4 g) + 2 g``
+    instructions (16 weight transposes and ``4 g`` matmuls per 512-column K chunk, plus the output):
+    the columns per launch are the N tiles that fit, the rows the groups that fit with them
+    (planned for one core; LNC=2 halves each core's share).
     """
-    per_tile = 32 * -(-k // 512) + 8
-    room = 9 * INSTRUCTION_BUDGET // 10
+    g = _group(k)
+    per_tile = -(-k // 512) * (16 + 4 * g) + 2 * g
+    room = _room()
     n_tiles = max(1, min(-(-n // 512), room // per_tile))
     groups = max(1, room // (n_tiles * per_tile))
-    return min(GEMM_M_CHUNK, 512 * groups), 512 * n_tiles
+    return min(GEMM_M_CHUNK, 128 * g * groups), 512 * n_tiles
 
 
 def decode_once(launch: KernelLaunch) -> bool:
-    """Whether this fp8/fp4 launch takes the large-M path (decode to HBM once, then bf16 GEMM chunks)."""
-    m = launch.tensors[0].shape[0] if launch.tensors else 0
-    return launch.kernel in ("fp8_linear_kernel", "fp4_linear_kernel") and m > DECODE_M_MAX
+    """Whether this fp8/fp4 launch takes the decode-once path (HBM scratch, then bf16 GEMM chunks):
+    above ``DECODE_M_MAX`` rows, or where not one N tile of the fused kernel fits the budget."""
+    if launch.kernel not in ("fp8_linear_kernel", "fp4_linear_kernel"):
+        return False
+    m, k = launch.tensors[0].shape
+    per_tile, fixed = _fused_cost(m, k)
+    return m > DECODE_M_MAX or fixed + per_tile > _room()
 
 
 def check_act_peak(act_quant: bool, act_peak: float) -> None:

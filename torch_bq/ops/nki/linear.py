@@ -68,13 +68,12 @@ import nki.isa as nisa
 import nki.language as nl
 
 from .decode import decode_fp4_tile, decode_fp8_tile, load_dense_tile
+from .launch import MAX_GROUP, STAGE_BYTES
 from .qdq import QDQ_BLOCK, qdq_chunk
 
 PT = 128  # partitions; also the M and K tile
 N_TILE = 512  # fp32 columns in one PSUM bank
 K_CHUNK = 512  # weight columns decoded per step
-STAGE_BYTES = 64 * 1024  # staged K-major activations per partition
-MAX_GROUP = 4  # PSUM banks for the accumulators of one M group (of 8)
 
 
 def _out_dtype(name):

@@ -182,9 +182,24 @@ def register_neuron_kernels() -> bool:
             parts.append(with_lnc(op)(rows, part_codes.contiguous(), *options))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
+    def fused(op, launch, bn):
+        """The fused kernel over column chunks of fused_cols() each (one launch when N fits)."""
+        x2, weight, codes, bias = launch.tensors
+        cols = prep.fused_cols(x2.shape[0], x2.shape[1], bn)
+        if weight.shape[0] <= cols:
+            return _run(launch, with_lnc(op), None, x2)
+        _guard(launch)
+        parts = []
+        for n0 in range(0, weight.shape[0], cols):
+            part_codes = codes[n0 // bn:-(-(n0 + cols) // bn)] if bn > 1 else codes[n0:n0 + cols]
+            b = None if bias is None else bias[:, n0:n0 + cols].contiguous()
+            parts.append(with_lnc(op)(x2, weight[n0:n0 + cols].contiguous(), part_codes.contiguous(), b,
+                                      *launch.options.values()))
+        return torch.cat(parts, dim=1).reshape(launch.out_shape)
+
     def fp8_call(launch):
         if not prep.decode_once(launch):
-            return _run(launch, with_lnc(nki_fp8_linear), None, launch.tensors[0])
+            return fused(nki_fp8_linear, launch, launch.options["block_rows"])
         _guard(launch)
         opts = launch.options
         w16 = dequant(nki_fp8_dequant, launch, opts["block_rows"], opts["block_cols"])
@@ -192,7 +207,7 @@ def register_neuron_kernels() -> bool:
 
     def fp4_call(launch):
         if not prep.decode_once(launch):
-            return _run(launch, with_lnc(nki_fp4_linear), None, launch.tensors[0])
+            return fused(nki_fp4_linear, launch, 1)
         _guard(launch)
         w16 = dequant(nki_fp4_dequant, launch)
         return decode_once_gemm(launch, w16).reshape(launch.out_shape)
