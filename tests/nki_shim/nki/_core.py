@@ -324,6 +324,12 @@ class NkiTensor:
 
     reinterpret_cast = view
 
+    def ap(self, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
+        """Explicit access pattern; the stand-in models the indirect (gather/scatter) form only (see _dynamic)."""
+        from ._dynamic import make_ap
+
+        return make_ap(self, pattern, offset, scalar_offset, vector_offset, indirect_dim, dtype)
+
     def reshape(self, shape) -> "NkiTensor":
         shape = tuple(int(s) for s in shape)
         if self.on_chip and shape[0] != self.arr.shape[0]:

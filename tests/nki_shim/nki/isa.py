@@ -16,6 +16,29 @@ from . import _core
 from . import language as nl
 from ._core import MemoryRegion, NkiShimError, NkiTensor, cast_on_write, fmt_shape, is_int, to_f32
 from .rules import tag
+from ._dynamic import (  # noqa: F401  (run-time addressing and control; see _dynamic)
+    AccessPattern,
+    VirtualRegister,
+    dge_mode,
+    iota,
+    nc_transpose,
+    oob_mode,
+    register_alloc,
+    register_load,
+    register_move,
+    register_store,
+)
+from . import _dynamic
+
+
+class engine:  # noqa: N801  (the real module's enum of engines)
+    tensor = "tensor"
+    vector = "vector"
+    scalar = "scalar"
+    gpsimd = "gpsimd"
+    dma = "dma"
+    sync = "sync"
+    unknown = "unknown"
 
 
 def _need_tensor(op: str, what: str, t) -> NkiTensor:
@@ -118,6 +141,9 @@ def _native_int(dst: NkiTensor, tensors) -> bool:
 def dma_copy(dst, src, priority=None, oob_mode=None, dge_mode=None, engine=None, name=None):
     """``dst = src`` between HBM and SBUF; same element count; same dtype (rules.py isa-dma-no-cast)."""
     op = "dma_copy"
+    if isinstance(dst, AccessPattern) or isinstance(src, AccessPattern):
+        _dynamic.indirect_copy(dst, src, oob_mode)
+        return
     dst, src = _need_tensor(op, "dst", dst), _need_tensor(op, "src", src)
     if dst.size != src.size:
         raise NkiShimError(f"{op}: element counts differ: src {fmt_shape(src)} vs dst {fmt_shape(dst)}")
@@ -241,7 +267,7 @@ def _elementwise(op, dst, data, ops, operands, reverses, tensor_operands=(), int
     for alu, operand, reverse in zip(ops, operands, reverses):
         if alu is None:
             continue
-        if isinstance(operand, NkiTensor):  # a full tile (tensor_tensor's data2)
+        if isinstance(operand, NkiTensor) and any(operand is t for t in tensor_operands):  # a full tile
             b = operand.read(op).reshape(dst.shape)
             b = b if native else to_f32(b)
         else:
@@ -336,6 +362,7 @@ def _counted(name, fn):
 
 
 for _name in ("dma_copy", "dma_transpose", "tensor_copy", "memset", "nc_matmul", "tensor_tensor", "tensor_scalar",
-              "scalar_tensor_tensor", "tensor_reduce", "activation"):
+              "scalar_tensor_tensor", "tensor_reduce", "activation", "iota", "nc_transpose", "register_load",
+              "register_store"):
     globals()[_name] = _counted(_name, globals()[_name])
 del _name

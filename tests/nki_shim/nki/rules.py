@@ -105,6 +105,20 @@ RULES = {
         "optional mode: engines flush fp32/bf16 denormal inputs and results to zero",
         "the docs say nothing about denormals on the engines; the mode shows what a flush would cost",
     ),
+    "rt-register": Rule(
+        "a VirtualRegister (and nl.dynamic_range's induction variable) has no compile-time value: no Python "
+        "arithmetic, int(), indexing or if/while on it; it is a loop bound or an instruction operand",
+        "nki/api/nki/isa VirtualRegister (note: under the tracer a register in Python control flow or int() / "
+        "range() raises TypeError); nki/api/nki/language dynamic_range (bounds may be registers, step a "
+        "compile-time int)",
+    ),
+    "isa-indirect-dma": Rule(
+        "indirect DMA: .ap(vector_offset=idx) on an HBM tensor, idx an SBUF (P, 1) int32/uint32 tile, the "
+        "pattern's partition entry [dim stride, P]; an index outside the indexed dim raises (oob_mode.error) "
+        "or skips that partition (oob_mode.skip)",
+        "nki/api/nki/isa dma_copy ('Indirect addressing (gather/scatter)', oob_mode); "
+        "nki/api/nki/language NkiTensor.ap",
+    ),
     "nki-version": Rule(
         "NkiTensor.broadcast needs NKI >= 0.5 (Neuron SDK 2.31); torch_bq's nki_available() checks the floor",
         "release-notes/components/nki.rst, NKI 0.5.0 'New NkiTensor view primitives ... broadcast'",

@@ -39,7 +39,7 @@ __all__ = ["register_neuron_kernels", "registered", "NEURON_OPS"]
 registered = False
 _warned = False
 
-# The public ops that get a neuron kernel here.
+# The public ops that get a neuron kernel here (and register_paged.PAGED_OPS: KV cache, attention, grouped).
 NEURON_OPS = ("fp8_linear", "fp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8")
 
 
@@ -257,6 +257,11 @@ def register_neuron_kernels() -> bool:
     report = getattr(_backend, "report_backend", None)
     if report is not None:
         report("neuron", kernels="nki", lnc=_backend.neuron_lnc(), ops=list(NEURON_OPS))
+
+    # The KV-cache, attention and grouped (MoE) kernels, registered the same way (register_paged).
+    from . import register_paged
+
+    register_paged.register(nki_op, wrap_nki, _trace_on_neuron, FunctionalTensorMode)
 
     registered = True
     return True

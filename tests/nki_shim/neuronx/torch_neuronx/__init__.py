@@ -110,9 +110,7 @@ class NeuronTensor(torch.Tensor):
         ):
             # An op with a neuron kernel (or a composite body) runs it, with neuron tensors.
             return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1), *args, **kwargs)
-        to_host = func in (torch.ops.aten._to_copy.default, torch.ops.aten.to.device) and (
-            kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu"
-        )
+        to_host = _copies_to_host(func, args, kwargs)
         args = tree_map(_to_cpu_device, tree_map(_unwrap, args))
         kwargs = tree_map(_to_cpu_device, tree_map(_unwrap, kwargs))
         out = func(*args, **kwargs)
@@ -121,16 +119,32 @@ class NeuronTensor(torch.Tensor):
         return tree_map(lambda t: NeuronTensor(t) if isinstance(t, torch.Tensor) else t, out)
 
 
+def _copies_to_host(func, args, kwargs) -> bool:
+    """``func`` copies a neuron tensor to the CPU (aten.to.device takes the device positionally)."""
+    if func not in (torch.ops.aten._to_copy.default, torch.ops.aten.to.device):
+        return False
+    target = kwargs.get("device", args[1] if func is torch.ops.aten.to.device and len(args) > 1 else None)
+    return target is not None and torch.device(target).type == "cpu"
+
+
 def _unwrap(t):
-    return t.cpu_data if isinstance(t, NeuronTensor) else t
+    if isinstance(t, NeuronTensor):
+        return t.cpu_data
+    if isinstance(t, (torch._subclasses.FakeTensor, FunctionalTensor)) and t.device.type == DEVICE:
+        # A factory traced with device="neuron" (e.g. torch.arange(..., device=x.device)) is a plain fake
+        # tensor on the neuron device, not a NeuronTensor: meet the wrapped data on the stand-in's host.
+        return t.to("cpu")
+    return t
 
 
 def _factory_fallback(op, *args, **kwargs):
     """Ops that reach the PrivateUse1 key without a neuron tensor argument (factories such as
     ``torch.empty(..., device="neuron")``): run on CPU, return neuron tensors."""
+    to_host = _copies_to_host(op, args, kwargs)  # reached inside a neuron kernel (Python key excluded)
     args = tree_map(_to_cpu_device, tree_map(_unwrap, args))
     kwargs = tree_map(_to_cpu_device, tree_map(_unwrap, kwargs))
-    return tree_map(lambda t: NeuronTensor(t) if isinstance(t, torch.Tensor) else t, op(*args, **kwargs))
+    out = op(*args, **kwargs)
+    return out if to_host else tree_map(lambda t: NeuronTensor(t) if isinstance(t, torch.Tensor) else t, out)
 
 
 _fallback_lib = torch.library.Library("_", "IMPL")
@@ -224,13 +238,14 @@ def wrap_nki(kernel, **kwargs) -> _Caller:
     return _Caller(_kernel_index[ident], ())
 
 
-def _launch(index: int, grid: List[int], tensors, key: int):
+def _launch(index: int, grid: List[int], tensors, key: int, shapes_only: bool = False):
     import nki
 
     kernel, _, _ = _kernels[index]
     tensor_names, constants = _constants[key]
     target = kernel[tuple(grid)] if grid else kernel
-    out = nki.simulate(target)(**dict(zip(tensor_names, tensors)), **constants)
+    # On placeholder zeros a data-dependent kernel may write nothing (e.g. every expert empty).
+    out = nki.simulate(target, check_outputs_written=not shapes_only)(**dict(zip(tensor_names, tensors)), **constants)
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
@@ -250,7 +265,7 @@ def _(index, grid, tensors, key):
     if sig not in _shape_cache:
         with torch.utils._python_dispatch._disable_current_modes():  # real tensors, outside fake/functional modes
             zeros = [None if t is None else torch.zeros(t.shape, dtype=t.dtype) for t in tensors]
-            _shape_cache[sig] = [(tuple(o.shape), o.dtype) for o in _launch(index, grid, zeros, key)]
+            _shape_cache[sig] = [(tuple(o.shape), o.dtype) for o in _launch(index, grid, zeros, key, shapes_only=True)]
     device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
     return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in _shape_cache[sig]]
 
