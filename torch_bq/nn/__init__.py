@@ -23,7 +23,7 @@ from .checkpoint import (
     read_linear,
     resolve_linear,
 )
-from .convert import LoadReport, QuantizeReport, convert_checkpoint, load_quantized_, quantize_
+from .convert import LoadReport, QuantizeReport, UnfilledModuleError, convert_checkpoint, load_quantized_, quantize_
 from .drafter import Drafter, DrafterLayer
 from .drafter_config import DrafterConfig
 from .experts import FP4Experts, FP8Experts
