@@ -450,7 +450,7 @@ def test_from_checkpoint_refuses_straddling_qkv_blocks():
 def test_state_dict_names():
     layer = DrafterLayer(TINY, device="meta")
     keys = set(layer.state_dict())
-    expected = {f"{n}.weight" for n in (*LINEARS, *NORMS)} | {f"{n}.weight_scale" for n in LINEARS}
+    expected = {f"{n}.weight" for n in (*LINEARS, *NORMS)} | {f"{n}.{t}" for n in LINEARS for t in ("weight_scale", "_extra_state")}
     assert keys == expected
     assert set(DrafterLayer(dataclasses.replace(TINY, weight_format="bf16"), device="meta").state_dict()) == {
         f"{n}.weight" for n in (*LINEARS, *NORMS)

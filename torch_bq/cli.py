@@ -43,25 +43,11 @@ class InspectRow:
     experts: Optional[int]
     nbytes: int  # data + scale bytes, all experts
     status: str  # "ok" or what is wrong
+    source: str = "?"  # where format and block came from: record, config, layout, shapes
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
-
-
-def _layer_prefixes(keys: Sequence[str]) -> list[str]:
-    from .nn.checkpoint import _SCALE_SUFFIXES  # the loader's scale names, so both agree
-
-    keyset = set(keys)
-    prefixes = set()
-    for k in keys:
-        if k.endswith("_blocks") or k.endswith("_scales"):
-            prefixes.add(k[: -len("_blocks")])
-            continue
-        for suffix in _SCALE_SUFFIXES:
-            if k.endswith(suffix) and k[: -len(suffix)] + ".weight" in keyset:
-                prefixes.add(k[: -len(suffix)])
-    return sorted(prefixes)
 
 
 def inspect_checkpoint(source, *, progress: Optional[TextIO] = None) -> tuple[list[InspectRow], dict]:
@@ -74,20 +60,31 @@ def inspect_checkpoint(source, *, progress: Optional[TextIO] = None) -> tuple[li
         ``(rows, totals)`` with ``totals = {"quantized_bytes", "other_bytes",
         "other_tensors", "invalid"}``.
     """
-    from .nn.checkpoint import CheckpointError, detect_linear, open_checkpoint, read_linear
+    from .checkpoint import (
+        CheckpointError,
+        IncompleteCheckpointError,
+        NotARegularFileError,
+        UnsafePathError,
+        detect_linear,
+        open_checkpoint,
+        quantized_prefixes,
+        read_linear,
+    )
     from .nn.convert import _Progress
 
     rows: list[InspectRow] = []
     with open_checkpoint(source) as reader:
-        prefixes = _layer_prefixes(reader.keys())
+        prefixes = quantized_prefixes(reader.keys())
         bar = _Progress(progress, max(1, len(prefixes)), "inspect")
         used: set[str] = set()
         for prefix in prefixes:
             try:
                 layout = detect_linear(reader, prefix, expert=None)
+            except (NotARegularFileError, UnsafePathError, IncompleteCheckpointError):
+                raise  # the checkpoint itself is unusable, not one layer
             except CheckpointError as e:
                 if "pass expert=i" not in str(e):
-                    rows.append(InspectRow(prefix, "?", "?", None, (0, 0), None, 0, str(e)))
+                    rows.append(InspectRow(prefix, "?", "?", None, (0, 0), None, 0, str(e), "?"))
                     bar.step(prefix)
                     continue
                 layout = detect_linear(reader, prefix, expert=0)
@@ -103,7 +100,8 @@ def inspect_checkpoint(source, *, progress: Optional[TextIO] = None) -> tuple[li
                     break
             nbytes = sum(reader.nbytes(n) for n in names if n != layout.bias_name)
             rows.append(InspectRow(prefix, layout.layout, layout.format, layout.block,
-                                   (layout.out_features, layout.in_features), layout.num_experts, nbytes, status))
+                                   (layout.out_features, layout.in_features), layout.num_experts, nbytes, status,
+                                   layout.source))
             bar.step(prefix)
         other = [k for k in reader.keys() if k not in used]
         totals = {
@@ -123,7 +121,7 @@ def _mib(n: int) -> str:
 
 
 def _run_inspect(args: argparse.Namespace, out: TextIO = None) -> int:
-    from .nn.checkpoint import CheckpointError
+    from .checkpoint import CheckpointError
 
     out = out or sys.stdout
     try:
@@ -131,12 +129,12 @@ def _run_inspect(args: argparse.Namespace, out: TextIO = None) -> int:
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    header = ("tensor", "layout", "format", "block", "shape [N, K]", "bytes", "status")
+    header = ("tensor", "layout", "format", "block", "from", "shape [N, K]", "bytes", "status")
     table = [header]
     for r in rows:
         shape = f"{r.shape[0]} x {r.shape[1]}" + (f" x {r.experts} experts" if r.experts else "")
         block = "-" if r.block is None else f"{r.block[0]}x{r.block[1]}"
-        table.append((r.name, r.layout, r.format, block, shape, _mib(r.nbytes), r.status))
+        table.append((r.name, r.layout, r.format, block, r.source, shape, _mib(r.nbytes), r.status))
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
     for row in table:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1], file=out)
@@ -155,7 +153,9 @@ def add_inspect_parser(subparsers) -> argparse.ArgumentParser:
         "inspect",
         help="list a checkpoint's quantized tensors: format, block, shape, validity",
         description="Print each quantized linear of a safetensors checkpoint (file or directory) with its "
-        "layout, format, block, shape and validity (NaN codes), and a total. Exit status 1 if any is invalid.",
+        "layout, format, block, where format and block came from (record: torch_bq's metadata; config: "
+        "config.json; layout: fixed by the layout; shapes: inferred, unique), shape and validity (NaN codes), "
+        "and a total. Exit status 1 if any is invalid.",
     )
     p.add_argument("path", help="a .safetensors file or a checkpoint directory")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
@@ -177,7 +177,7 @@ def _parse_block(text: str) -> tuple[int, int]:
 
 
 def _run_convert(args: argparse.Namespace, out: TextIO = None) -> int:
-    from .nn.checkpoint import CheckpointError
+    from .checkpoint import CheckpointError
     from .nn.convert import convert_checkpoint
 
     out = out or sys.stdout

@@ -26,20 +26,22 @@ from torch import nn
 
 from .. import formats
 from ._staging import StagedDirectory
-from .checkpoint import (
-    _SCALE_SUFFIXES,
+from ..checkpoint import (
     INDEX_NAME,
+    SCALE_SUFFIXES,
     CheckpointError,
     CheckpointReader,
+    LayerRecord,
     MissingTensorError,
     Source,
-    build_module,
     detect_linear,
-    module_class_for,
+    encode_records,
     open_checkpoint,
+    quantization_config,
+    read_json,
     read_linear,
 )
-from .linear import BF16Linear, FP4Linear, FP8Linear
+from .linear import BF16Linear, FP4Linear, FP8Linear, build_module, module_class_for
 
 __all__ = [
     "QuantizeReport",
@@ -58,7 +60,9 @@ DEFAULT_EXCLUDE = r"(embed|lm_head|norm|router|\.gate\.weight$)"
 
 
 def _state_bytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+    # Tensors held, not state_dict entries: an FP8Linear's recorded block (_extra_state) is not weight bytes.
+    held = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in held)
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -575,21 +579,6 @@ def _should_quantize(name: str, t_shape, t_dtype, include: Optional[re.Pattern],
     return not (exclude and exclude.search(name))
 
 
-def _check_loadable_block(block: tuple[int, int]) -> None:
-    """Refuse an fp8 block the loaders could not recover from the scale shape.
-
-    A torch_bq checkpoint records the block only through the scale grid's shape;
-    :func:`~torch_bq.nn.checkpoint.detect_linear` reads it back as 1 or a power of
-    two, so any other block length would be written but not loadable.
-    """
-    bad = [b for b in block if b & (b - 1)]
-    if bad:
-        raise ValueError(
-            f"block: expected each of (bn, bk) to be 1 or a power of two (the loaders read the block back "
-            f"from the scale shape, which only determines those), got {tuple(block)}"
-        )
-
-
 def _source_paths(reader: CheckpointReader) -> list[Path]:
     """Every file ``convert_checkpoint`` reads from a path source (empty for a mapping)."""
     paths = [Path(f) for f in reader.files()]
@@ -623,8 +612,7 @@ def _check_destination(reader: CheckpointReader, dst: Path, overwrite: bool) -> 
 def _plan(reader: CheckpointReader, format: str, include, exclude) -> dict[str, bool]:
     """``{tensor name: quantize?}`` from the headers alone, refusing outputs that would be wrong.
 
-    Raises :class:`CheckpointError` for an fp4 weight with odd ``K`` (its packed
-    shape reads back as ``K + 1``) and for a weight to be quantized whose prefix
+    Raises :class:`CheckpointError` for a weight to be quantized whose prefix
     already holds a scale tensor: the new ``{p}.weight_scale`` would collide with
     (or sit beside) the old one, and whether the float weight is already scaled
     by it cannot be told from the file, so neither dropping nor keeping the old
@@ -637,19 +625,23 @@ def _plan(reader: CheckpointReader, format: str, include, exclude) -> dict[str, 
         if not plan[name]:
             continue
         prefix = name[: -len(".weight")]
-        present = [prefix + s for s in _SCALE_SUFFIXES if prefix + s in reader]
+        present = [prefix + s for s in SCALE_SUFFIXES if prefix + s in reader]
         if present:
             raise CheckpointError(
                 f"{name}: the source already holds {present} next to this {dtype} weight, so quantizing it "
                 f"would mix the old scale with the new one; remove the old scale tensors from the source "
                 f"(if the weight is already dequantized) or keep the layer in high precision with exclude="
             )
-        if format == "fp4" and shape[1] % 2:
-            raise CheckpointError(
-                f"{name}: K = {shape[1]} is odd; an fp4 checkpoint stores K only as 2 * packed columns, "
-                f"so it would load back as K = {shape[1] + 1}; use fp8 or exclude= this weight"
-            )
     return plan
+
+
+def _record_config(path: Path, qc: dict) -> None:
+    """Replace ``quantization_config`` in the copied ``config.json`` (any other family's is stale now)."""
+    config = read_json(path, "config.json")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got a {type(config).__name__}")
+    config["quantization_config"] = qc
+    path.write_text(json.dumps(config, indent=2))
 
 
 def _save_shard(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
@@ -695,9 +687,11 @@ def convert_checkpoint(
             which replaces it as a whole; may lie inside the source directory but
             must not be it or contain any source file).
         format: ``"fp8"`` or ``"fp4"``.
-        block, scale_dtype: fp8 options (see :func:`torch_bq.formats.quantize_fp8`);
-            each block length must be 1 or a power of two, the blocks the loaders can
-            read back from the scale shape.
+        block, scale_dtype: fp8 options (see :func:`torch_bq.formats.quantize_fp8`); any
+            block: each shard records every layer's format, block, scale dtype and
+            ``[N, K]`` in its ``__metadata__``, and a copied ``config.json`` gets
+            torch_bq's ``quantization_config``, so loaders read them back instead of
+            guessing from shapes (docs/checkpoints.md).
         rounding: fp4 scale rule, ``"ceil"`` or ``"floor"``.
         include, exclude: regular expressions on tensor names.
         overwrite: replace a non-empty ``dst``.
@@ -709,15 +703,13 @@ def convert_checkpoint(
     Raises:
         ValueError: bad arguments (format, block, regex), ``dst`` overlapping the source.
         CheckpointError: an unreadable source, a weight that cannot be converted
-            faithfully (non-finite values, an old scale beside it, odd K for fp4).
+            faithfully (non-finite values, an old scale beside it).
         FileExistsError / NotADirectoryError: ``dst`` is not empty / is a file.
         OSError: writing failed (read-only, disk full); nothing was changed.
     """
     if format not in ("fp8", "fp4"):
         raise ValueError(f"format: expected 'fp8' or 'fp4', got {format!r}")
     block = formats._check_block(block)
-    if format == "fp8":
-        _check_loadable_block(block)
     include_re, exclude_re = _compile_regex(include, "include"), _compile_regex(exclude or None, "exclude")
     dst = Path(dst)
     summary = {"quantized": [], "copied": [], "bytes_in": 0, "bytes_out": 0, "files": []}
@@ -735,6 +727,7 @@ def convert_checkpoint(
             for i, names in enumerate(groups):
                 out_name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
                 out: dict[str, torch.Tensor] = {}
+                records: dict[str, LayerRecord] = {}
                 for name in names:
                     t = reader.get(name)
                     summary["bytes_in"] += t.numel() * t.element_size()
@@ -748,13 +741,18 @@ def convert_checkpoint(
                         except ValueError as e:
                             raise CheckpointError(f"{name}: {e}") from None
                         out[f"{prefix}.weight"], out[f"{prefix}.weight_scale"] = data, scale
+                        records[prefix] = LayerRecord(
+                            format, tuple(block) if format == "fp8" else (1, 32),
+                            scale_dtype if format == "fp8" else torch.float8_e8m0fnu,
+                            in_features=int(t.shape[1]), out_features=int(t.shape[0]),
+                        )
                         summary["quantized"].append(name)
                     else:
                         out[name] = t
                         summary["copied"].append(name)
                     del t
                     bar.step(name)
-                _save_shard(out, stage.path / out_name, {"format": "pt", "torch_bq": format})
+                _save_shard(out, stage.path / out_name, {"format": "pt", **encode_records(records)})
                 summary["bytes_out"] += sum(v.numel() * v.element_size() for v in out.values())
                 weight_map.update({k: out_name for k in out})
                 summary["files"].append(out_name)
@@ -766,5 +764,11 @@ def convert_checkpoint(
                  "weight_map": dict(sorted(weight_map.items()))}, indent=2))
             for extra in sorted(extras):
                 shutil.copy2(extra, stage.path / extra.name)
+            if (stage.path / "config.json").is_file():
+                _record_config(stage.path / "config.json", quantization_config(
+                    format, block if format == "fp8" else (1, 32),
+                    scale_dtype if format == "fp8" else torch.float8_e8m0fnu,
+                    modules_to_not_convert=sorted(n[: -len(".weight")] for n in summary["copied"] if n.endswith(".weight")),
+                ))
             stage.commit()
     return summary

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import formats, ops
-from .linear import _QuantizedLinear
-from .validation import scan_nan_codes
+from ..checkpoint.scan import scan_nan_codes
+from .linear import _QuantizedLinear, _RecordsBlock
 
 __all__ = ["FP4Experts", "FP8Experts", "ExpertsSpec", "experts_spec", "ACTIVATIONS", "GPT_OSS_ALPHA", "GPT_OSS_LIMIT"]
 
@@ -416,7 +416,7 @@ class FP4Experts(_Experts):
         return load_experts(cls, source, prefix, layout=layout, device=device, **options)
 
 
-class FP8Experts(_Experts):
+class FP8Experts(_RecordsBlock, _Experts):
     """Experts with block-scaled fp8 weights.
 
     State as :class:`FP4Experts` with ``gate_up_proj`` ``float8_e4m3fn [E, 2I, H]``,
@@ -455,7 +455,7 @@ class FP8Experts(_Experts):
             scale_dtype = torch.float8_e8m0fnu  # the same bytes
         if scale_dtype not in (torch.float8_e8m0fnu, torch.float32):
             raise TypeError(f"scale_dtype: expected torch.float8_e8m0fnu or torch.float32, got {scale_dtype}")
-        self.block: Tuple[int, int] = formats._check_block(block)
+        self.block: Tuple[int, int] = formats.FP8.resolve_block(block)
         self.scale_dtype = scale_dtype
         super().__init__(num_experts, hidden_size, intermediate_size, bias, activation, act_quant, act_peak,
                          device, dtype)

@@ -23,13 +23,16 @@ __all__ = [
     "SLAB_BYTES",
     "fp8_linear",
     "fp4_linear",
+    "nvfp4_linear",
     "bf16_linear",
     "fp32w_linear",
     "check_fp8_linear_args",
     "check_fp4_linear_args",
+    "check_nvfp4_linear_args",
     "check_dense_linear_args",
     "decode_fp8_rows",
     "decode_fp4_rows",
+    "decode_nvfp4_rows",
     "decode_dense_rows",
 ]
 
@@ -73,6 +76,15 @@ def check_fp4_linear_args(x, weight, scale, bias, act_quant, act_peak, out_dtype
     formats.check_peak(act_peak)
 
 
+def check_nvfp4_linear_args(x, weight, weight_scale, weight_scale_2, bias, act_quant, act_peak, out_dtype) -> None:
+    """Raise on dtype/shape errors in ``nvfp4_linear``'s arguments (K is ``x.shape[-1]``)."""
+    if x.dim() < 1:
+        raise ValueError(f"x: expected shape [..., K], got {list(x.shape)}")
+    formats.check_nvfp4_weight(weight, weight_scale, weight_scale_2, x.shape[-1])
+    _check_common(x, weight.shape[0], x.shape[-1], bias, out_dtype)
+    formats.check_peak(act_peak)
+
+
 def check_dense_linear_args(x, weight, bias, out_dtype, weight_dtype: torch.dtype) -> None:
     """Raise on dtype/shape errors in ``bf16_linear``/``fp32w_linear``'s arguments."""
     if weight.dtype != weight_dtype:
@@ -104,6 +116,13 @@ def decode_fp8_rows(weight: torch.Tensor, scale: torch.Tensor, block: Sequence[i
 def decode_fp4_rows(weight: torch.Tensor, scale: torch.Tensor, k: int, n0: int, n1: int) -> torch.Tensor:
     """Rows ``n0:n1`` of an MXFP4 weight with ``K = k`` decoded to float32 (scales are per row)."""
     return formats.dequantize_fp4(weight[n0:n1], scale[n0:n1], k, torch.float32)
+
+
+def decode_nvfp4_rows(
+    weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor, k: int, n0: int, n1: int
+) -> torch.Tensor:
+    """Rows ``n0:n1`` of an NVFP4 weight with ``K = k`` decoded to float32 (exact; scales are per row)."""
+    return formats.dequantize_nvfp4(weight[n0:n1], weight_scale[n0:n1], weight_scale_2, k, torch.float32)
 
 
 def decode_dense_rows(weight: torch.Tensor, n0: int, n1: int) -> torch.Tensor:
@@ -172,6 +191,28 @@ def fp4_linear(
 
     def decode(n0: int, n1: int) -> torch.Tensor:
         return decode_fp4_rows(weight, scale, k, n0, n1)
+
+    a = _activation(x, act_quant, act_peak)
+    return _slabbed_linear(a, n, _slab_rows(k, 1), decode, bias, x.shape[:-1], out_dtype)
+
+
+def nvfp4_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_scale_2: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    act_quant: bool,
+    act_peak: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``[..., K] x nvfp4 [N, ceil(K/2)] -> [..., N]``; see :func:`torch_bq.ops.nvfp4_linear`."""
+    check_nvfp4_linear_args(x, weight, weight_scale, weight_scale_2, bias, act_quant, act_peak, out_dtype)
+    k = x.shape[-1]
+    n = weight.shape[0]
+
+    def decode(n0: int, n1: int) -> torch.Tensor:
+        return decode_nvfp4_rows(weight, weight_scale, weight_scale_2, k, n0, n1)
 
     a = _activation(x, act_quant, act_peak)
     return _slabbed_linear(a, n, _slab_rows(k, 1), decode, bias, x.shape[:-1], out_dtype)
