@@ -116,9 +116,15 @@ class TorchBQConfig(QuantizationConfigMixin):
         exclude: Optional[str] = DEFAULT_EXCLUDE,
         quantize_experts: bool = True,
         layers: Optional[dict] = None,
+        version: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         self.quant_method = QUANT_METHOD
+        from .checkpoint.record import RECORD_VERSION
+
+        if version is not None and (not isinstance(version, int) or version > RECORD_VERSION):
+            raise ValueError(f"version: this torch_bq reads quantization_config versions <= {RECORD_VERSION}, got {version!r}")
+        self.version = RECORD_VERSION
         if format is not None and format not in _FORMATS:
             raise ValueError(f"format: expected None, 'fp8' or 'fp4', got {format!r}")
         if isinstance(scale_dtype, torch.dtype):
@@ -271,7 +277,7 @@ class _LoadLinear(_Op):
             setattr(module, name, getattr(built, name))
         module.act_quant, module.act_peak = built.act_quant, built.act_peak
         _mark_initialized(module)
-        for key in ("weight", "weight_scale"):
+        for key in ("weight", "weight_scale", "_extra_state"):  # _extra_state: the block, set with the module
             if missing_keys is not None:
                 missing_keys.discard(f"{prefix}.{key}")
         quantizer._filled.add(prefix)
@@ -367,7 +373,7 @@ class _Quantize(_Op):
             module.weight, module.weight_scale = data, scale
             names = ("weight", "weight_scale")
         _mark_initialized(module)
-        for name in names:
+        for name in (*names, "_extra_state"):
             if missing_keys is not None:
                 missing_keys.discard(f"{prefix}.{name}")
         self.hf_quantizer._quantized_parts.setdefault(prefix, set()).update(names)
@@ -436,6 +442,12 @@ class TorchBQQuantizer(HfQuantizer):
         runtime = config.runtime_options()
         float_dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.bfloat16)
         tied = {n for group in _tied_groups(model) for n in group}
+        # transformers builds the skeleton under `with torch.device("meta")`; the checkpoint
+        # reader's own buffers (headers, records) must still be real.
+        with torch.device("cpu"):
+            return self._plan_and_swap(model, checkpoint_files, runtime, float_dtype, tied)
+
+    def _plan_and_swap(self, model, checkpoint_files, runtime, float_dtype, tied):
         reader = _checkpoint_reader(checkpoint_files) if self.pre_quantized else None
         try:
             swaps: list[tuple[str, nn.Module]] = []
@@ -514,17 +526,10 @@ class TorchBQQuantizer(HfQuantizer):
                     block = first.block
                     scale_dtype = reader.dtype(first.scale_name)
                 else:
-                    built_probe = layer.get("block")
-                    block = tuple(built_probe) if built_probe else None
-                    scale_dtype = reader.dtype(f"{name}.gate_up_proj_scale")
-                    if block is None:
-                        from .nn.checkpoint import _infer_block_dim
+                    from .nn.expert_checkpoint import stacked_experts_block
 
-                        n2, k = reader.shape(f"{name}.gate_up_proj")[1:]
-                        grid = reader.shape(f"{name}.gate_up_proj_scale")[1:]
-                        block = (_infer_block_dim(n2, grid[0]), _infer_block_dim(k, grid[1]))
-                        if None in block:
-                            raise CheckpointError(f"{name}.gate_up_proj_scale: shape {list(grid)} fits no power-of-two block")
+                    block = stacked_experts_block(reader, name, layer.get("block"))
+                    scale_dtype = reader.dtype(f"{name}.gate_up_proj_scale")
                     options = {**options, "block": block}
                 scale_dtype = torch.float32 if scale_dtype == torch.float32 else torch.float8_e8m0fnu
             if layout == "torch_bq" and fmt == "fp8":

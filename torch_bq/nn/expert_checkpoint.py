@@ -229,9 +229,40 @@ def stacked_experts_format(reader, prefix: str) -> Optional[str]:
     )
 
 
-def _load_stacked(reader, cls, prefix: str, *, block, hidden_size=None, intermediate_size=None):
-    from .checkpoint import _infer_block_dim
+def stacked_experts_block(reader, prefix: str, block=None) -> tuple[int, int]:
+    """The fp8 block of torch_bq stacked experts under ``prefix``: recorded > ``block`` > shapes (headers only).
 
+    The record is the loader's (:func:`torch_bq.checkpoint.record_of` on
+    ``{prefix}.gate_up_proj``: shard metadata, the module's ``_extra_state``, config.json);
+    shape inference must leave exactly one candidate for both projections.
+    """
+    from ..checkpoint import AmbiguousLayoutError, block_candidates, record_of
+    from ..checkpoint.record import check_block_value
+
+    record = record_of(reader, prefix, f"{prefix}.gate_up_proj")
+    given = None if block is None else check_block_value(block, "block")
+    if record is not None and record.block is not None:
+        if given is not None and given != record.block:
+            raise CheckpointError(f"{prefix}: block={list(given)} was passed but {record.source} records {list(record.block)}")
+        return record.block
+    if given is not None:
+        return given
+    options = None
+    for proj in _STACKED:
+        n, k = reader.shape(f"{prefix}.{proj}")[1:]
+        grid = reader.shape(f"{prefix}.{proj}_scale")[1:]
+        found = {(a, b) for a in block_candidates(n, grid[0]) for b in block_candidates(k, grid[1])}
+        options = found if options is None else options & found
+    if options is None or len(options) != 1:
+        raise AmbiguousLayoutError(
+            f"{prefix}.gate_up_proj_scale: the scale shapes of both projections admit blocks "
+            f"{sorted(options or [])} and the checkpoint records none; pass block=(bn, bk)",
+            [("fp8", b) for b in sorted(options or [])], "block",
+        )
+    return options.pop()
+
+
+def _load_stacked(reader, cls, prefix: str, *, block, hidden_size=None, intermediate_size=None):
     fmt = stacked_experts_format(reader, prefix)
     if fmt is None:
         raise CheckpointError(
@@ -255,16 +286,7 @@ def _load_stacked(reader, cls, prefix: str, *, block, hidden_size=None, intermed
     h = tensors["down_proj"].shape[1]
     options = {}
     if fmt == "fp8":
-        if block is None:
-            # The grid of gate_up [2I, H] gives (bn, bk); down [H, I] must agree.
-            grid = tensors["gate_up_proj_scale"].shape[1:]
-            bn, bk = _infer_block_dim(two_i, grid[0]), _infer_block_dim(h, grid[1])
-            if bn is None or bk is None:
-                raise CheckpointError(
-                    f"{prefix}.gate_up_proj_scale: shape {list(tensors['gate_up_proj_scale'].shape)} fits no "
-                    f"power-of-two block; pass block=(bn, bk)"
-                )
-            block = (bn, bk)
+        block = stacked_experts_block(reader, prefix, block)
         return cls.from_quantized(**tensors, block=block, name=prefix), options
     if block is not None:
         raise TypeError("block: fp4 experts are MXFP4 (1x32 blocks); block applies to fp8 only")
