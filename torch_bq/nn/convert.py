@@ -609,8 +609,61 @@ def _check_destination(reader: CheckpointReader, dst: Path, overwrite: bool) -> 
             )
 
 
-def _plan(reader: CheckpointReader, format: str, include, exclude) -> dict[str, bool]:
+#: plan values for stacked float experts ``{p}.gate_up_proj`` / ``{p}.down_proj``: stored [E, N, K] or [E, K, N]
+_EXPERTS_PLANS = ("experts", "experts_transposed")
+
+
+def _stacked_experts(reader: CheckpointReader, name: str, include, exclude):
+    """``"experts"``/``"experts_transposed"`` for a stacked float experts tensor to quantize, else ``False``.
+
+    transformers saves fused experts as ``{p}.gate_up_proj`` + ``{p}.down_proj``, 3-D, either
+    ``[E, 2I, H]`` / ``[E, H, I]`` (``F.linear`` orientation, DeepSeek/Qwen-MoE) or
+    ``[E, H, 2I]`` / ``[E, I, H]`` (``x @ w``, gpt-oss). The pair tells which: only one
+    orientation makes the two shapes one layer (``down``'s dims would have to equal
+    both ``2I`` and ``I`` otherwise).
+    """
+    prefix, _, leaf = name.rpartition(".")
+    if leaf not in ("gate_up_proj", "down_proj") or reader.dtype(name) not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    gate_up, down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
+    if gate_up not in reader or down not in reader:
+        return False
+    g, d = reader.shape(gate_up), reader.shape(down)
+    if len(g) != 3 or len(d) != 3 or g[0] != d[0]:
+        return False
+    if include is not None and not include.search(name):
+        return False
+    if exclude is not None and exclude.search(name):
+        return False
+    if g[1] % 2 == 0 and tuple(d[1:]) == (g[2], g[1] // 2):
+        return "experts"
+    if g[2] % 2 == 0 and tuple(d[1:]) == (g[2] // 2, g[1]):
+        return "experts_transposed"
+    raise CheckpointError(
+        f"{gate_up} {list(g)} and {down} {list(d)} are stacked experts but form no [E, 2I, H] / [E, H, I] "
+        f"layer in either orientation"
+    )
+
+
+def _quantize_stacked(t: torch.Tensor, transposed: bool, format: str, block, scale_dtype, rounding, name: str):
+    """``[E, N, K]`` quantized data and scales of a stacked float experts tensor, one expert at a time."""
+    w = t.transpose(1, 2) if transposed else t
+    try:
+        if format == "fp8":
+            pairs = [formats.quantize_fp8(w[e], block, scale_dtype) for e in range(w.shape[0])]
+        else:
+            pairs = [formats.quantize_fp4(w[e], rounding) for e in range(w.shape[0])]
+    except ValueError as e:
+        raise CheckpointError(f"{name}: {e}") from None
+    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+
+def _plan(reader: CheckpointReader, format: str, include, exclude) -> dict[str, object]:
     """``{tensor name: quantize?}`` from the headers alone, refusing outputs that would be wrong.
+
+    The value is ``True`` for a 2-D weight, one of ``_EXPERTS_PLANS`` for a stacked
+    float experts tensor (quantized per expert into torch_bq's stacked ``[E, N, K]``
+    layout: ``{p}.gate_up_proj`` + ``{p}.gate_up_proj_scale``), ``False`` to copy.
 
     Raises :class:`CheckpointError` for a weight to be quantized whose prefix
     already holds a scale tensor: the new ``{p}.weight_scale`` would collide with
@@ -618,11 +671,19 @@ def _plan(reader: CheckpointReader, format: str, include, exclude) -> dict[str, 
     by it cannot be told from the file, so neither dropping nor keeping the old
     scale is safe.
     """
-    plan: dict[str, bool] = {}
+    plan: dict[str, object] = {}
     for name in reader.keys():
         shape, dtype = reader.shape(name), reader.dtype(name)
-        plan[name] = _should_quantize(name, shape, dtype, include, exclude)
+        plan[name] = _should_quantize(name, shape, dtype, include, exclude) or _stacked_experts(
+            reader, name, include, exclude)
         if not plan[name]:
+            continue
+        if plan[name] in _EXPERTS_PLANS:
+            if f"{name}_scale" in reader:
+                raise CheckpointError(
+                    f"{name}: the source already holds {name}_scale next to these float experts, so quantizing "
+                    f"them would mix the old scale with the new one; exclude= them or remove the old scale"
+                )
             continue
         prefix = name[: -len(".weight")]
         present = [prefix + s for s in SCALE_SUFFIXES if prefix + s in reader]
@@ -668,7 +729,10 @@ def convert_checkpoint(
 
     Each 2-D floating ``*.weight`` whose name matches ``include`` (default: all) and
     not ``exclude`` becomes ``{p}.weight`` + ``{p}.weight_scale`` (SPEC.md §2
-    quantizers); every other tensor is copied unchanged. Output shard ``i`` holds
+    quantizers); stacked float experts (transformers' fused ``{p}.gate_up_proj`` /
+    ``{p}.down_proj``, 3-D, in either orientation) become torch_bq's stacked
+    ``[E, N, K]`` data + ``{p}.gate_up_proj_scale`` / ``{p}.down_proj_scale``, quantized
+    per expert; every other tensor is copied unchanged. Output shard ``i`` holds
     the converted tensors of input shard ``i``, so at most one input shard's
     worth of quantized tensors plus one float tensor is in memory. ``dst`` gets
     ``model-XXXXX-of-XXXXX.safetensors`` files, ``model.safetensors.index.json``,
@@ -731,7 +795,17 @@ def convert_checkpoint(
                 for name in names:
                     t = reader.get(name)
                     summary["bytes_in"] += t.numel() * t.element_size()
-                    if plan[name]:
+                    if plan[name] in _EXPERTS_PLANS:
+                        prefix = name.rpartition(".")[0]
+                        out[name], out[f"{name}_scale"] = _quantize_stacked(
+                            t, plan[name] == "experts_transposed", format, block, scale_dtype, rounding, name)
+                        if name.endswith(".gate_up_proj"):
+                            records[prefix] = LayerRecord(
+                                format, tuple(block) if format == "fp8" else (1, 32),
+                                scale_dtype if format == "fp8" else torch.float8_e8m0fnu,
+                            )
+                        summary["quantized"].append(name)
+                    elif plan[name]:
                         prefix = name[: -len(".weight")]
                         try:
                             if format == "fp8":
