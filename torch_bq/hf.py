@@ -263,6 +263,13 @@ class _LoadLinear(_Op):
                 )
             weight = tensors[f"{prefix}.weight"]
             target = getattr(module, "weight")
+            if target.dtype.is_floating_point and target.dtype.itemsize > 1 and weight.dtype.itemsize == 1:
+                # fp8/fp4 bytes without their scale: casting them would load the codes as values.
+                raise CheckpointError(
+                    f"{prefix}.weight: holds {weight.dtype} data but the checkpoint has no scale for it "
+                    f"(looked for {prefix}.weight_scale_inv / .weight_scale / .scale); refusing to read the codes as "
+                    f"{target.dtype} values"
+                )
             if weight.dtype.is_floating_point and target.dtype.is_floating_point and weight.dtype != target.dtype:
                 weight = weight.to(target.dtype)
             return {f"{prefix}.weight": weight}
@@ -586,12 +593,13 @@ class TorchBQQuantizer(HfQuantizer):
             sources = [rf"\.experts\.{proj}{suffix}" for proj in ("gate_up_proj", "down_proj")
                        for suffix in ("", "_scale", "_bias")]
             ours.append(WeightConverter(sources, r"\.experts\.gate_up_proj", [_LoadExperts(self)]))
+        # Every ".weight" goes through _LoadLinear, quantized layers or not: it also refuses
+        # quantized bytes that arrive without a scale instead of letting them load as values.
         linear_layouts = {p["layout"] for p in self._plan.values() if p["kind"] == "linear"}
-        if linear_layouts:
-            sources = [r"\.weight", r"\.weight_scale_inv", r"\.weight_scale"]
-            if "deepseek-v3.1" in linear_layouts:
-                sources.append(r"\.scale")
-            ours.append(WeightConverter(sources, r"\.weight", [_LoadLinear(self)]))
+        sources = [r"\.weight", r"\.weight_scale_inv", r"\.weight_scale"]
+        if "deepseek-v3.1" in linear_layouts:
+            sources.append(r"\.scale")
+        ours.append(WeightConverter(sources, r"\.weight", [_LoadLinear(self)]))
         if experts_layouts:
             # The model's own per-expert merges (qwen2_moe's gate_proj + up_proj -> gate_up_proj)
             # would stack fp8 bytes without their scales; our converter takes those tensors.
