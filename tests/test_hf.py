@@ -267,3 +267,30 @@ def test_forward_compiles_fullgraph_dynamic(ckpt, family):
                 # 2^-4 relative) in a few elements, so the floor is lower.
                 floor = 20.0 if act_quant else SQNR_FLOOR_DB
                 assert fx.sqnr_db(got, eager) > floor, (family, act_quant, n)
+
+
+# --------------------------------------------------------------------------- #
+# the manual recipe: empty_model + load_quantized_
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("family", fx.FAMILIES)
+def test_empty_model_and_load_quantized_give_the_from_pretrained_model(ckpt, family, tmp_path):
+    from torch_bq.nn import empty_model, load_quantized_
+
+    if family in PREQUANTIZED:
+        path = ckpt("q", family)
+    else:
+        path = tmp_path / "q"
+        convert_checkpoint(ckpt("bf16", family), path, "fp8", progress=None)
+    skeleton = empty_model(fx.config(family), dtype=torch.bfloat16)
+    assert not skeleton.model.rotary_emb.inv_freq.is_meta
+    report = load_quantized_(skeleton, path)
+    assert report.missing == [] and report.unfilled == []
+    assert bool(report.experts) == (family in ("deepseek_v3", "gpt_oss"))
+    if family == "qwen3":
+        assert skeleton.lm_head.weight is skeleton.model.embed_tokens.weight
+    loaded = _load(path)
+    _assert_same_state(skeleton, loaded)
+    with torch.no_grad():
+        assert torch.equal(skeleton(PROMPT).logits, loaded(PROMPT).logits)

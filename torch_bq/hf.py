@@ -677,4 +677,18 @@ def model_from_config(config, *args, dtype: Optional[torch.dtype] = None, **kwar
     """``AutoModelForCausalLM.from_config(config)`` (used by :func:`torch_bq.nn.empty_model`)."""
     if dtype is not None:
         kwargs["dtype"] = dtype
-    return transformers.AutoModelForCausalLM.from_config(config, *args, **kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(config, *args, **kwargs)
+    # from_pretrained keeps some tensors in float32 whatever the dtype (DeepSeek's
+    # e_score_correction_bias: _keep_in_fp32_modules_strict); a skeleton must agree.
+    plan = model._get_dtype_plan(model.dtype) if hasattr(model, "_get_dtype_plan") else {}
+    if plan:
+        for module_name, module in model.named_modules():
+            for store in (module._parameters, module._buffers):
+                for leaf, t in list(store.items()):
+                    full = f"{module_name}.{leaf}" if module_name else leaf
+                    for key, want in plan.items():
+                        if t is not None and t.is_floating_point() and re.search(rf"(^|\.){re.escape(key)}(\.|$)", full):
+                            cast = t.to(want)
+                            store[leaf] = nn.Parameter(cast, t.requires_grad) if isinstance(t, nn.Parameter) else cast
+                            break
+    return model
