@@ -228,6 +228,29 @@ class _Op(ConversionOps):
         return self
 
 
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in memory of its own (a copy unless ``t`` already owns its whole storage)."""
+    if t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.is_contiguous() and not _file_backed(t):
+        return t
+    return t.clone()
+
+
+def _file_backed(t: torch.Tensor) -> bool:
+    # A storage transformers' safetensors mmap created has no allocator context of torch's own:
+    # its data pointer lies in a file mapping. Checked via /proc/self/maps only on Linux.
+    try:
+        ptr = t.untyped_storage().data_ptr()
+        with open("/proc/self/maps") as f:
+            for line in f:
+                if ".safetensors" in line:
+                    a, b = (int(x, 16) for x in line.split()[0].split("-"))
+                    if a <= ptr < b:
+                        return True
+    except OSError:
+        return True  # cannot tell: copy
+    return False
+
+
 def _first(v):
     return v[0] if isinstance(v, list) else v
 
@@ -281,7 +304,9 @@ class _LoadLinear(_Op):
             weights = read_linear(reader, layout)
         built = build_module(weights, **quantizer.quantization_config.runtime_options())
         for name in ("weight", "weight_scale"):
-            setattr(module, name, getattr(built, name))
+            # transformers hands over views of its mmap of the file; a torch_bq module owns
+            # its bytes (an edit or truncation of the file must not reach a loaded model).
+            setattr(module, name, _owned(getattr(built, name)))
         module.act_quant, module.act_peak = built.act_quant, built.act_peak
         _mark_initialized(module)
         for key in ("weight", "weight_scale", "_extra_state"):  # _extra_state: the block, set with the module
@@ -326,6 +351,9 @@ class _LoadExperts(_Op):
                 skeleton.gate_up_proj_bias is not None)
         if got != want:
             raise CheckpointError(f"{prefix}: the model expects experts (E, H, I, bias) = {want}, the checkpoint's are {got}")
+        for name, t in built._buffers.items():
+            if t is not None:
+                built._buffers[name] = _owned(t)  # see _LoadLinear
         _mark_initialized(built)
         _set_submodule(model, prefix, built)
         _discard(missing_keys, built, prefix)
