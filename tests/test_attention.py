@@ -1,4 +1,4 @@
-"""Paged KV write and paged sliding-window attention (SPEC.md §5 steps 4-5).
+"""Paged KV write and paged sliding-window attention (docs/contract.md §5 steps 4-5).
 
 The ground truth is a dense computation written here: each request's keys and
 values live in plain ``[seq_len, Hkv, d]`` arrays, the visible ones are picked

@@ -1,6 +1,6 @@
-"""DrafterConfig, DrafterLayer and Drafter (SPEC.md §5) on tiny configs.
+"""DrafterConfig, DrafterLayer and Drafter (docs/contract.md §5) on tiny configs.
 
-The layer is checked against a dense float64 implementation of SPEC.md §5 written
+The layer is checked against a dense float64 implementation of docs/contract.md §5 written
 here (its own norm, RoPE, attention over plain per-request arrays and SwiGLU,
 sharing only the linear ops and the qdq rule, which have their own tests).
 """
@@ -188,7 +188,7 @@ def clone_caches(caches):
 
 
 # --------------------------------------------------------------------------- #
-# dense implementation of SPEC.md §5
+# dense implementation of docs/contract.md §5
 # --------------------------------------------------------------------------- #
 
 
@@ -221,7 +221,7 @@ def dense_linear(module, x):
 
 
 def dense_layer(layer, hidden, positions, seq_lens, context):
-    """float64 SPEC.md §5 with the contract's bf16 rounding points; returns (h, k, v) of this step."""
+    """float64 docs/contract.md §5 with the contract's bf16 rounding points; returns (h, k, v) of this step."""
     c = layer.config
     rows, hq, hkv, d = hidden.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
     eps = c.rms_norm_eps
@@ -333,7 +333,7 @@ def test_compiled_drafter_equals_eager():
     eager = drafter(step.hidden, *args, eager_caches, step.block_table, step.slots, step.seq_lens)
     # validate is on: fullgraph=True also proves the eager-only checks stay out of the graph.
     # Inductor otherwise keeps fused bf16 intermediates in float32 (skipping the
-    # roundings SPEC.md §5 prescribes); with the casts emulated it matches eager bit for bit.
+    # roundings docs/contract.md §5 prescribes); with the casts emulated it matches eager bit for bit.
     with inductor_config.patch(emulate_precision_casts=True):
         compiled_fn = torch.compile(drafter, fullgraph=True)
         compiled = compiled_fn(step.hidden, *args, compiled_caches, step.block_table, step.slots, step.seq_lens)
@@ -345,7 +345,7 @@ def test_compiled_drafter_equals_eager():
 
 def test_fp8_weights_close_to_bf16_weights():
     # Same float weights, quantized to fp8 (32x32 blocks, fp8 activations) or rounded to
-    # bf16. SPEC.md §2-3: e4m3 keeps 3 mantissa bits under a power-of-two block scale, a
+    # bf16. docs/contract.md §2-3: e4m3 keeps 3 mantissa bits under a power-of-two block scale, a
     # relative rounding error <= 2**-4 and ~2**-4/sqrt(3) RMS (~28 dB) for each of weight
     # and activation, so ~25 dB for one linear. The layer's output is h + o_proj(.) +
     # down(.); its residual updates (out - hidden) pass through up to three quantized

@@ -1,4 +1,4 @@
-"""The torch_bq:: linear ops (SPEC.md §4): math vs float64, opcheck, compile, errors.
+"""The torch_bq:: linear ops (docs/contract.md §4): math vs float64, opcheck, compile, errors.
 
 Every math test runs over two implementations that share one signature: the
 reference body (torch_bq.reference) and whatever the op dispatches to on CPU.

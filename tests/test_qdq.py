@@ -1,4 +1,4 @@
-"""Bit-exact tests of the activation round trip (SPEC.md §3)."""
+"""Bit-exact tests of the activation round trip (docs/contract.md §3)."""
 
 import math
 
@@ -18,7 +18,7 @@ def u8(t):
 
 
 def qdq_float64(x: torch.Tensor, peak: float) -> torch.Tensor:
-    """SPEC.md §3 written independently: numpy/ml_dtypes, row-major loops over blocks."""
+    """docs/contract.md §3 written independently: numpy/ml_dtypes, row-major loops over blocks."""
     xb = x.to(torch.bfloat16).to(torch.float64).numpy().reshape(-1, x.shape[-1])
     out = np.zeros_like(xb)
     recip_peak = float(np.float32(1.0) / np.float32(peak))

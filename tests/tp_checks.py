@@ -104,7 +104,7 @@ def decoded(layer) -> torch.Tensor:
 
 
 def activation(layer, x: torch.Tensor) -> torch.Tensor:
-    """``A`` of SPEC.md §4 for ``layer``."""
+    """``A`` of docs/contract.md §4 for ``layer``."""
     if getattr(layer, "act_quant", False):
         return formats.qdq_fp8(x, layer.act_peak).to(torch.float32)
     return x.to(torch.bfloat16).to(torch.float32)

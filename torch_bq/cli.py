@@ -54,7 +54,7 @@ def inspect_checkpoint(source, *, progress: Optional[TextIO] = None) -> tuple[li
     """Find and validate every quantized linear of ``source``.
 
     Reads headers for layouts, then every quantized tensor once (one expert at a
-    time for stacked tensors) to scan for NaN codes (SPEC.md §1).
+    time for stacked tensors) to scan for NaN codes (docs/contract.md §1).
 
     Returns:
         ``(rows, totals)`` with ``totals = {"quantized_bytes", "other_bytes",

@@ -178,7 +178,7 @@ def linear_error_bound(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact ``y = a @ w.T + bias`` in float64 and a per-element error bound for a backend.
 
-    SPEC.md §4 allows any summation order in float32, then one rounding to
+    docs/contract.md §4 allows any summation order in float32, then one rounding to
     ``out_dtype``. For a dot product of length ``K`` plus a bias, every term
     passes through at most ``K + 1`` float32 roundings in any order, so
     (Higham, *Accuracy and Stability*, §3.1) the float32 sum ``s`` satisfies

@@ -1,4 +1,4 @@
-"""Bounded-memory NaN-code scans for loaders and ``from_*`` constructors (SPEC.md §1).
+"""Bounded-memory NaN-code scans for loaders and ``from_*`` constructors (docs/contract.md §1).
 
 :func:`torch_bq.formats.find_nan_codes` builds two byte-sized temporaries the
 size of the tensor it scans; for a 16384 x 16384 weight that is twice the

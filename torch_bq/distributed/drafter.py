@@ -1,4 +1,4 @@
-"""Tensor-parallel DSpark drafter (SPEC.md §5, last paragraph).
+"""Tensor-parallel DSpark drafter (docs/contract.md §5, last paragraph).
 
 Rank ``r`` of ``P`` holds:
 

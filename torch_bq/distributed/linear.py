@@ -10,9 +10,9 @@ With ``P`` ranks in ``group`` and rank ``r``:
   float32 partial sum over its columns, the partials are summed across ranks
   (all-reduce, or the seed's reduce-scatter to the row's owner ``row % P`` then
   all-gather), the bias is added in float32 and the result rounded once — the
-  SPEC.md §4 linear with its K sum taken in another order.
+  docs/contract.md §4 linear with its K sum taken in another order.
 
-Activation quantization with a K split (SPEC.md §3): a 1x32 qdq block cut by a
+Activation quantization with a K split (docs/contract.md §3): a 1x32 qdq block cut by a
 rank boundary must use the amax of the *whole* block. When any boundary falls
 inside a block, every rank computes its part of each block's amax and the
 maxima are exchanged with one all-reduce(MAX) of ``[M, ceil(K/32)]`` floats;
@@ -278,7 +278,7 @@ def block_amax(a: torch.Tensor, k0: int) -> torch.Tensor:
 
 
 def qdq_with_block_amax(a: torch.Tensor, k0: int, amax: torch.Tensor, peak: float) -> torch.Tensor:
-    """SPEC.md §3 qdq of columns ``[k0, k0 + w)`` of a row whose blocks' amax is ``amax``.
+    """docs/contract.md §3 qdq of columns ``[k0, k0 + w)`` of a row whose blocks' amax is ``amax``.
 
     Args:
         a: ``[M, w]`` the columns.

@@ -1,4 +1,4 @@
-"""The weight and activation formats of SPEC.md §1-3: descriptors, codecs, validation, row joins.
+"""The weight and activation formats of docs/contract.md §1-3: descriptors, codecs, validation, row joins.
 
 * :mod:`~torch_bq.formats.descriptor`: every format as one frozen :class:`WeightFormat`
   entry in a registry (:func:`get_format`, :data:`FORMATS`): element and scale

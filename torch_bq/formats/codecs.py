@@ -1,4 +1,4 @@
-"""Codecs of the fp8, MXFP4 and e8m0 formats of SPEC.md §1-3: encode, decode, pack, validate.
+"""Codecs of the fp8, MXFP4 and e8m0 formats of docs/contract.md §1-3: encode, decode, pack, validate.
 
 Every function here is exact: quantizers produce the bytes the contract names,
 decoders produce the values the contract names, and validators raise
@@ -54,7 +54,7 @@ FP8_MAX = E4M3FN.max_value  # OCP E4M3FN largest finite value, 448
 FP4_MAX = E2M1.max_value  # e2m1 largest finite value, 6
 E8M0_BIAS = 127
 E8M0_NAN = 255
-DEFAULT_ACT_PEAK = 224.0  # Trainium2 saturates e4m3 at 240; see SPEC.md §3
+DEFAULT_ACT_PEAK = 224.0  # Trainium2 saturates e4m3 at 240; see docs/contract.md §3
 QDQ_BLOCK = 32  # activation blocks are 1x32 along K
 FP4_BLOCK = FP4.default_block[1]  # MXFP4 scales cover 1x32 along K
 
@@ -140,7 +140,8 @@ def dequantize_fp8(
         scale: ``[ceil(N/bn), ceil(K/bk)]`` e8m0 codes (``float8_e8m0fnu``/``uint8``)
             or ``float32`` multipliers (DeepSeek-V3 ``weight_scale_inv``).
         block: ``(bn, bk)``; ``(1, 32)`` is MXFP8.
-        dtype: output dtype. With e8m0 scales every finite value is exact in bf16.
+        dtype: output dtype. ``float32`` holds every value exactly; bf16 too except at
+            extreme scale codes (docs/contract.md §1).
 
     Returns:
         ``[N, K]`` tensor of ``dtype`` with ``e4m3(data[n, k]) * scale[n // bn, k // bk]``
@@ -190,7 +191,8 @@ def dequantize_fp4(
             e2m1 values per byte, element ``2j`` in the low nibble.
         scale: ``[N, ceil(K/32)]`` e8m0 codes (``float8_e8m0fnu``/``uint8``).
         in_features: ``K``; defaults to ``2 * packed.shape[1]``. Must be that or one less.
-        dtype: output dtype; every finite value is exact in bf16.
+        dtype: output dtype. ``float32`` holds every value exactly; bf16 too except at
+            extreme scale codes (docs/contract.md §1).
 
     Returns:
         ``[N, K]`` tensor of ``dtype`` with ``LUT[nibble] * 2**(scale - 127)``.
@@ -203,7 +205,7 @@ def dequantize_fp4(
 
 
 # --------------------------------------------------------------------------- #
-# quantizers (SPEC.md §2)
+# quantizers (docs/contract.md §2)
 # --------------------------------------------------------------------------- #
 
 
@@ -235,7 +237,7 @@ def quantize_fp8(
     block: Sequence[int] = FP8.default_block,
     scale_dtype: torch.dtype = torch.float8_e8m0fnu,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a float weight to block-scaled fp8 (SPEC.md §2).
+    """Quantize a float weight to block-scaled fp8 (docs/contract.md §2).
 
     Each ``bn x bk`` block gets the power-of-two scale ``2**ceil(log2(amax / 448))``
     (never saturates; an all-zero block gets 1.0) and its elements are rounded
@@ -285,7 +287,7 @@ def _round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp4(w: torch.Tensor, rounding: str = "ceil") -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a float weight to OCP MXFP4 (1x32 blocks, e8m0 scales; SPEC.md §2).
+    """Quantize a float weight to OCP MXFP4 (1x32 blocks, e8m0 scales; docs/contract.md §2).
 
     Args:
         w: ``[N, K]`` float tensor, finite.
@@ -321,7 +323,7 @@ def quantize_fp4(w: torch.Tensor, rounding: str = "ceil") -> tuple[torch.Tensor,
 
 
 # --------------------------------------------------------------------------- #
-# activation quant-dequant (SPEC.md §3)
+# activation quant-dequant (docs/contract.md §3)
 # --------------------------------------------------------------------------- #
 
 
@@ -398,7 +400,7 @@ def check_fp4_weight(
 
 
 def check_peak(peak: float, name: str = "act_peak") -> None:
-    """Raise ``ValueError`` unless ``0 < peak <= 448`` (the qdq peak of SPEC.md §3)."""
+    """Raise ``ValueError`` unless ``0 < peak <= 448`` (the qdq peak of docs/contract.md §3)."""
     if not 0.0 < peak <= FP8_MAX:
         short = name.rsplit(".", 1)[-1]
         raise ValueError(f"{name}: expected 0 < {short} <= {FP8_MAX}, got {peak}")
@@ -439,7 +441,7 @@ def find_nan_codes(
     in_features: int | None = None,
     tensor_scale: Optional[torch.Tensor] = None,
 ) -> None:
-    """Raise ``ValueError`` if a weight holds NaN codes (SPEC.md §1: corruption, not a weight).
+    """Raise ``ValueError`` if a weight holds NaN codes (docs/contract.md §1: corruption, not a weight).
 
     ``fmt`` is any format name (:func:`torch_bq.formats.get_format`); the checks are
     :meth:`WeightFormat.find_nan_codes`: e8m0 scale codes 255, fp8 data bytes 0x7F/0xFF,

@@ -728,7 +728,7 @@ def convert_checkpoint(
     """Quantize a bf16/fp16/fp32 safetensors checkpoint into our layout, one shard at a time, atomically.
 
     Each 2-D floating ``*.weight`` whose name matches ``include`` (default: all) and
-    not ``exclude`` becomes ``{p}.weight`` + ``{p}.weight_scale`` (SPEC.md §2
+    not ``exclude`` becomes ``{p}.weight`` + ``{p}.weight_scale`` (docs/contract.md §2
     quantizers); stacked float experts (transformers' fused ``{p}.gate_up_proj`` /
     ``{p}.down_proj``, 3-D, in either orientation) become torch_bq's stacked
     ``[E, N, K]`` data + ``{p}.gate_up_proj_scale`` / ``{p}.down_proj_scale``, quantized

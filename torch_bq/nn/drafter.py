@@ -1,4 +1,4 @@
-"""The DSpark speculative-decoding drafter (SPEC.md §5): ``DrafterLayer`` and ``Drafter``.
+"""The DSpark speculative-decoding drafter (docs/contract.md §5): ``DrafterLayer`` and ``Drafter``.
 
 One step of one layer, rows ``h`` ``[R, H]`` (``R = requests * rows_per_request``)::
 
@@ -56,7 +56,7 @@ def _linear(config: DrafterConfig, in_features: int, out_features: int, device) 
 
 
 def _bf16_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The residual add of SPEC.md §5: float32 sum, one rounding to bf16."""
+    """The residual add of docs/contract.md §5: float32 sum, one rounding to bf16."""
     return (a.to(torch.float32) + b.to(torch.float32)).to(torch.bfloat16)
 
 
@@ -137,7 +137,7 @@ def _validating(flag: bool) -> bool:
 
 
 class DrafterLayer(nn.Module):
-    """One DSpark drafter layer (SPEC.md §5) on torch_bq linears.
+    """One DSpark drafter layer (docs/contract.md §5) on torch_bq linears.
 
     Args:
         config: the layer's shape and weight format.

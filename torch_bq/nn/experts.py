@@ -301,7 +301,7 @@ class FP4Experts(_Experts):
         intermediate_size: ``I``.
         bias: hold per-expert biases (gpt-oss has them; DeepSeek does not).
         activation: ``"gpt-oss"`` (clamped SwiGLU, interleaved rows; default) or ``"swiglu"``.
-        act_quant, act_peak: activation qdq of both linears (SPEC.md §3).
+        act_quant, act_peak: activation qdq of both linears (docs/contract.md §3).
         device: where to allocate (``"meta"`` allocates nothing).
         dtype: dtype of the biases.
     """

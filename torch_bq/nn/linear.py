@@ -1,6 +1,6 @@
 """Drop-in linear modules on block-quantized weights: ``FP8Linear``, ``FP4Linear``, ``NVFP4Linear``, ``BF16Linear``.
 
-Each module holds its weight exactly as the formats of SPEC.md §1 store it and
+Each module holds its weight exactly as the formats of docs/contract.md §1 store it and
 calls one ``torch_bq::`` op in ``forward``; nothing is dequantized up front.
 
 State (names as in ``state_dict``):
@@ -259,7 +259,7 @@ def _act_repr(act_quant: bool, act_peak: float) -> str:
 
 
 class FP8Linear(_RecordsBlock, _QuantizedLinear):
-    """``nn.Linear`` with a block-scaled fp8 e4m3 weight (SPEC.md §1, §4).
+    """``nn.Linear`` with a block-scaled fp8 e4m3 weight (docs/contract.md §1, §4).
 
     ``forward(x)``: ``x`` ``[..., K]`` any float dtype -> ``[..., N]`` of ``x.dtype``,
     computed by :func:`torch_bq.ops.fp8_linear` (activations round-tripped through
@@ -406,7 +406,7 @@ class FP8Linear(_RecordsBlock, _QuantizedLinear):
         act_quant: bool = True,
         act_peak: float = formats.DEFAULT_ACT_PEAK,
     ) -> "FP8Linear":
-        """Quantize an ``nn.Linear`` (SPEC.md §2 fp8 quantizer); the bias is kept as is."""
+        """Quantize an ``nn.Linear`` (docs/contract.md §2 fp8 quantizer); the bias is kept as is."""
         _check_linear(linear)
         data, scale = formats.quantize_fp8(linear.weight.detach(), block, scale_dtype)
         bias = None if linear.bias is None else linear.bias.detach().clone()
@@ -426,7 +426,8 @@ class FP8Linear(_RecordsBlock, _QuantizedLinear):
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> nn.Linear:
         """An ``nn.Linear`` of ``dtype`` holding the decoded weight and the bias.
 
-        With e8m0 scales the decoded weight is exact in bf16; float32 scales that are
+        With e8m0 scales the decoded weight is exact in bf16 except at extreme scale codes
+        (docs/contract.md §1); float32 scales that are
         not powers of two (DeepSeek-V3's ``weight_scale_inv``) give products that bf16
         rounds, so ask for ``dtype=torch.float32`` to get the values the op uses.
         It computes ``F.linear`` without activation quantization, so it matches this
@@ -581,7 +582,7 @@ class FP4Linear(_QuantizedLinear):
         act_quant: bool = True,
         act_peak: float = formats.DEFAULT_ACT_PEAK,
     ) -> "FP4Linear":
-        """Quantize an ``nn.Linear`` (SPEC.md §2 MXFP4 quantizer, ``rounding`` "ceil" or "floor")."""
+        """Quantize an ``nn.Linear`` (docs/contract.md §2 MXFP4 quantizer, ``rounding`` "ceil" or "floor")."""
         _check_linear(linear)
         packed, scale = formats.quantize_fp4(linear.weight.detach(), rounding)
         bias = None if linear.bias is None else linear.bias.detach().clone()
@@ -599,7 +600,9 @@ class FP4Linear(_QuantizedLinear):
         return load_linear(cls, source, prefix, device=device, **options)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> nn.Linear:
-        """An ``nn.Linear`` of ``dtype`` holding the decoded weight (exact in bf16) and the bias.
+        """An ``nn.Linear`` of ``dtype`` holding the decoded weight and the bias.
+
+        The weight is exact in bf16 except at extreme scale codes (docs/contract.md §1).
 
         It computes ``F.linear`` without activation quantization, so it equals this
         module exactly only when ``act_quant=False``.
@@ -823,7 +826,7 @@ class BF16Linear(_QuantizedLinear):
     """``nn.Linear`` on a bf16 weight through :func:`torch_bq.ops.bf16_linear`.
 
     A float32 weight is kept as float32 and narrowed to bf16 inside
-    :func:`torch_bq.ops.fp32w_linear` (SPEC.md §1 ``fp32w``). Activations are
+    :func:`torch_bq.ops.fp32w_linear` (docs/contract.md §1 ``fp32w``). Activations are
     rounded to bf16, never quantized.
 
     Args:

@@ -91,7 +91,7 @@ def fp8_linear(
     act_peak: float = formats.DEFAULT_ACT_PEAK,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """Linear layer with a block-scaled fp8 weight (SPEC.md §4).
+    """Linear layer with a block-scaled fp8 weight (docs/contract.md §4).
 
     ``y = round_out(A @ W.T + bias)`` with ``A = qdq_fp8(x, act_peak)`` if
     ``act_quant`` else ``bf16(x)``, ``W[n, k] = e4m3(weight[n, k]) * scale[n // bn, k // bk]``,
@@ -126,7 +126,7 @@ def fp4_linear(
     act_peak: float = formats.DEFAULT_ACT_PEAK,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """Linear layer with an OCP MXFP4 weight (W4A8 by default; SPEC.md §4).
+    """Linear layer with an OCP MXFP4 weight (W4A8 by default; docs/contract.md §4).
 
     Args:
         x: ``[..., K]`` any float dtype; ``K`` may be odd.
@@ -227,7 +227,7 @@ def fp32w_linear(
 
 
 def qdq_fp8(x: torch.Tensor, peak: float = formats.DEFAULT_ACT_PEAK) -> torch.Tensor:
-    """The activation round trip of SPEC.md §3 as an op; see :func:`torch_bq.formats.qdq_fp8`.
+    """The activation round trip of docs/contract.md §3 as an op; see :func:`torch_bq.formats.qdq_fp8`.
 
     Args:
         x: ``[..., K]`` any float dtype.

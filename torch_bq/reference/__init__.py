@@ -1,4 +1,4 @@
-"""The numerical contract (SPEC.md) as plain torch code: slow, obvious, exact.
+"""The numerical contract (docs/contract.md) as plain torch code: slow, obvious, exact.
 
 These are the default bodies of the ``torch_bq::`` ops; every faster kernel is
 tested against them.

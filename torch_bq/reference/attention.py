@@ -1,4 +1,4 @@
-"""Reference paged KV cache write and sliding-window attention of SPEC.md §5 steps 4-5.
+"""Reference paged KV cache write and sliding-window attention of docs/contract.md §5 steps 4-5.
 
 Cache layout (both caches alike)::
 

@@ -19,7 +19,7 @@ query rows that share a KV head form one tile, and each chunk yields a partial
             l_c = rowsum(P);  o_c = P @ V[:, g]         # unnormalised
         out = merge_partials(m, l, o)
 
-The merge is SPEC.md §5's: ``M = max m_c``, ``L = sum l_c e^(m_c - M)``,
+The merge is docs/contract.md §5's: ``M = max m_c``, ``L = sum l_c e^(m_c - M)``,
 ``out = sum o_c e^(m_c - M) / L``. A chunk a row cannot see (outside its window,
 past ``seq_len``, or after it under ``causal``) has ``m = -inf, l = 0, o = 0`` and
 contributes exactly nothing, never NaN.
@@ -65,7 +65,7 @@ def attention_partials(
 
 
 def merge_partials(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """Combine split partials (SPEC.md §5): ``sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)``.
+    """Combine split partials (docs/contract.md §5): ``sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)``.
 
     Args:
         m, l: ``[S, ...]`` float32 per-split row max and exp-sum.

@@ -1,4 +1,4 @@
-"""Reference grouped (mixture-of-experts) linear math: one SPEC.md §4 linear per expert.
+"""Reference grouped (mixture-of-experts) linear math: one docs/contract.md §4 linear per expert.
 
 Rows of ``x`` are sorted by expert. ``offsets`` follows ``torch._grouped_mm``:
 an ``int32 [E]`` tensor of cumulative *end* offsets, so expert ``e`` owns rows

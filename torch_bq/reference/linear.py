@@ -1,4 +1,4 @@
-"""Reference linear math of SPEC.md §4: slow, obvious, exact.
+"""Reference linear math of docs/contract.md §4: slow, obvious, exact.
 
 ``y[m, n] = round_out(sum_k A[m, k] * W[n, k] (+ bias[n]))`` with
 ``A = qdq_fp8(x)`` or ``bf16(x)``, ``W`` the decoded weight, products and sums
@@ -100,7 +100,7 @@ def check_dense_linear_args(x, weight, bias, out_dtype, weight_dtype: torch.dtyp
 
 
 def _activation(x: torch.Tensor, act_quant: bool, act_peak: float) -> torch.Tensor:
-    """``A`` of SPEC.md §4 as float32 ``[M, K]``."""
+    """``A`` of docs/contract.md §4 as float32 ``[M, K]``."""
     x2 = x.reshape(-1, x.shape[-1])
     a = formats.qdq_fp8(x2, act_peak) if act_quant else x2.to(torch.bfloat16)
     return a.to(torch.float32)

@@ -1,5 +1,5 @@
 // Fast CPU kernels for torch_bq: block-scaled fp8 / MXFP4 linear and the fp8
-// activation quant-dequant (SPEC.md §3-4).
+// activation quant-dequant (docs/contract.md §3-4).
 //
 // Built at first use by torch_bq/ops/_backend.py with torch.utils.cpp_extension
 // (-O3, plus -mavx2 -mfma -mf16c and -DTORCH_BQ_AVX2 when the CPU has them).
@@ -87,7 +87,7 @@ inline uint32_t bits_from_f32(float f) {
   return b;
 }
 
-// Exact decode tables (SPEC.md §1).
+// Exact decode tables (docs/contract.md §1).
 struct Tables {
   float e8m0[256];
   float e4m3[256];
@@ -575,7 +575,7 @@ at::Tensor fp4_linear(const at::Tensor& a, const at::Tensor& weight, const at::T
 }
 
 // --------------------------------------------------------------------------
-// activation qdq (SPEC.md §3), bit-exact with torch_bq.formats.qdq_fp8
+// activation qdq (docs/contract.md §3), bit-exact with torch_bq.formats.qdq_fp8
 // --------------------------------------------------------------------------
 
 constexpr int64_t kQdqBlock = 32;

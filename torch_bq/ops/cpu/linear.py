@@ -32,7 +32,7 @@ PANEL_BYTES = 4 << 20
 
 
 def _activation(kernels, x: torch.Tensor, act_quant: bool, act_peak: float) -> torch.Tensor:
-    """``A`` of SPEC.md §4 as contiguous float32 ``[M, K]``."""
+    """``A`` of docs/contract.md §4 as contiguous float32 ``[M, K]``."""
     x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
     if act_quant:
         return kernels.qdq_fp8(x2, float(act_peak), True)
