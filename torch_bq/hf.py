@@ -465,10 +465,6 @@ class TorchBQQuantizer(HfQuantizer):
                 )
         elif device_map not in (None, "cpu"):
             raise ValueError(f"device_map: torch_bq loads onto the CPU, got {device_map!r}")
-        if not self.pre_quantized and self.quantization_config.format is None:
-            raise ValueError(
-                "TorchBQConfig: the checkpoint is not quantized; pass format='fp8' or format='fp4' to quantize it on load"
-            )
 
     # -- step 1: the skeleton ---------------------------------------------------------
 
@@ -483,7 +479,25 @@ class TorchBQQuantizer(HfQuantizer):
             return self._plan_and_swap(model, checkpoint_files, runtime, float_dtype, tied)
 
     def _plan_and_swap(self, model, checkpoint_files, runtime, float_dtype, tied):
-        reader = _checkpoint_reader(checkpoint_files) if self.pre_quantized else None
+        reader = _checkpoint_reader(checkpoint_files)
+        if not self.pre_quantized:
+            # config.json names no quantization, but the tensors may still be quantized
+            # (a torch_bq directory written before config records, a hand-made one): the
+            # headers decide, never a cast of fp8 codes to floats.
+            from .checkpoint import quantized_prefixes
+
+            if quantized_prefixes(reader.keys()) or any(k.endswith("_scale") and k[: -len("_scale")] in reader
+                                                        for k in reader.keys()):
+                self.pre_quantized = True
+            elif self.quantization_config.format is None:
+                reader.close()
+                raise ValueError(
+                    "TorchBQConfig: the checkpoint is not quantized; pass format='fp8' or format='fp4' to quantize "
+                    "it on load"
+                )
+            else:
+                reader.close()
+                reader = None
         try:
             swaps: list[tuple[str, nn.Module]] = []
             for name, module in model.named_modules():
