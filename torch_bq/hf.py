@@ -432,9 +432,10 @@ def _checkpoint_reader(checkpoint_files) -> CheckpointReader:
     return CheckpointReader(files[0] if len(files) == 1 else files[0].parent)
 
 
-def _experts_skeleton(fmt: str, spec_or_module, *, bias_dtype, block=None, scale_dtype=None, runtime=None):
+def _experts_skeleton(fmt: str, sizes, *, bias_dtype, block=None, scale_dtype=None, runtime=None):
+    """An empty (meta) experts module; ``sizes`` = ``(E, H, I, bias, activation)``."""
     runtime = runtime or {}
-    e, h, i, bias, activation = spec_or_module
+    e, h, i, bias, activation = sizes
     if fmt == "fp8":
         return FP8Experts(e, h, i, bias, activation=activation, block=block, scale_dtype=scale_dtype,
                           device="meta", dtype=bias_dtype, **runtime)
@@ -469,8 +470,7 @@ class TorchBQQuantizer(HfQuantizer):
     # -- step 1: the skeleton ---------------------------------------------------------
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
-        config = self.quantization_config
-        runtime = config.runtime_options()
+        runtime = self.quantization_config.runtime_options()
         float_dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.bfloat16)
         tied = {n for group in _tied_groups(model) for n in group}
         # transformers builds the skeleton under `with torch.device("meta")`; the checkpoint
