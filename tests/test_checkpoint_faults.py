@@ -321,3 +321,25 @@ def test_fuzz_files_load_when_untouched(tmp_path):
     _small_file(path)
     _check_against_safetensors(path)
     assert torch.equal(_read_all(path)["p.bias"], torch.arange(8.0))
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-3, 300) | st.floats(allow_nan=False) | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                     max_leaves=8)
+
+
+@given(layer=st.dictionaries(st.sampled_from(["format", "block", "scale_dtype", "in_features", "out_features"]), _json),
+       version=st.sampled_from([1, 0, 2, "1", None, 1.0]))
+def test_fuzz_hostile_records(tmp_path_factory, layer, version):
+    # A record torch_bq itself would write loads; any other content is a named error, never a crash or a guess.
+    from torch_bq.checkpoint import RECORD_KEY
+
+    path = tmp_path_factory.mktemp("r") / "f.safetensors"
+    d, s = formats.quantize_fp8(torch.randn(64, 64, generator=torch.Generator().manual_seed(2)), (32, 32))
+    meta = {RECORD_KEY: json.dumps({"version": version, "layers": {"p": layer}})}
+    save_file({"p.weight": d, "p.weight_scale": s}, path, metadata=meta)
+    try:
+        m = FP8Linear.from_checkpoint(path, "p")
+    except CheckpointError:
+        return
+    assert m.block == (32, 32) and torch.equal(m.weight.view(torch.uint8), d.view(torch.uint8))

@@ -44,7 +44,8 @@ def test_fp8_round_trip_through_convert_is_bit_exact(tmp_path, block, scale_dtyp
     assert torch.equal(_u8(m.weight), _u8(data)) and torch.equal(_u8(m.weight_scale), _u8(scale))
     assert torch.equal(m.dequantize(torch.float32).weight, formats.dequantize_fp8(data, scale, block, torch.float32))
     rows, _ = cli.inspect_checkpoint(tmp_path / "out")
-    assert (rows[0].block, rows[0].source, rows[0].status) == (block, "record", "ok")
+    scale = "e8m0" if scale_dtype == torch.float8_e8m0fnu else "f32"
+    assert (rows[0].block, rows[0].scale, rows[0].source, rows[0].status) == (block, scale, "record", "ok")
 
 
 @pytest.mark.parametrize("block, scale_dtype", FP8_CASES)
@@ -198,3 +199,151 @@ def test_float32_scales_out_of_range_are_rejected(bad):
     s[1, 0] = bad
     with pytest.raises(CheckpointError, match=r"x.weight_scale_inv: found .* at index \[1, 0\]"):
         FP8Linear.from_checkpoint({"x.weight": d, "x.weight_scale_inv": s}, "x", block=(128, 128))
+
+
+# --------------------------------------------------------------------------- #
+# NVFP4 (ModelOpt layout)
+# --------------------------------------------------------------------------- #
+
+
+def _modelopt_dir(root, n=48, k=100, bias=True, config=True):
+    from torch_bq.formats import quantize_nvfp4
+
+    w = _weight(n, k, seed=3)
+    data, scale, scale_2 = quantize_nvfp4(w)
+    tensors = {"m.weight": data, "m.weight_scale": scale, "m.weight_scale_2": scale_2,
+               "m.input_scale": torch.tensor(0.5)}
+    if bias:
+        tensors["m.bias"] = torch.randn(n, generator=torch.Generator().manual_seed(4)).bfloat16()
+    root.mkdir()
+    save_file(tensors, root / "model.safetensors")
+    if config:
+        (root / "config.json").write_text(json.dumps({"quantization_config": {
+            "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}}))
+    return tensors
+
+
+def test_modelopt_nvfp4_layout_loads_bit_exactly(tmp_path):
+    from torch_bq.nn import NVFP4Linear
+
+    t = _modelopt_dir(tmp_path / "mo")
+    layout = detect_linear(tmp_path / "mo", "m")
+    assert (layout.layout, layout.format, layout.block, layout.source) == ("modelopt", "nvfp4", (1, 16), "config")
+    m = NVFP4Linear.from_checkpoint(tmp_path / "mo", "m")
+    assert torch.equal(m.weight, t["m.weight"]) and torch.equal(_u8(m.weight_scale), _u8(t["m.weight_scale"]))
+    assert torch.equal(m.weight_scale_2, t["m.weight_scale_2"].reshape(())) and torch.equal(m.bias, t["m.bias"])
+    expected = formats.dequantize_nvfp4(t["m.weight"], t["m.weight_scale"], t["m.weight_scale_2"], 100)
+    assert torch.equal(m.dequantize(torch.float32).weight, expected)
+    with pytest.raises(CheckpointError, match="load them with NVFP4Linear, not FP4Linear"):
+        FP4Linear.from_checkpoint(tmp_path / "mo", "m")
+    skeleton = torch.nn.ModuleDict({"m": torch.nn.Linear(100, 48)})
+    load_quantized_(skeleton, tmp_path / "mo")
+    assert isinstance(skeleton["m"], NVFP4Linear)
+    rows, totals = cli.inspect_checkpoint(tmp_path / "mo")
+    assert (rows[0].format, rows[0].block, rows[0].status, totals["invalid"]) == ("nvfp4", (1, 16), "ok", 0)
+
+
+def test_modelopt_nvfp4_errors(tmp_path):
+    from torch_bq.nn import NVFP4Linear
+
+    t = _modelopt_dir(tmp_path / "a", config=False)
+    (tmp_path / "a" / "config.json").write_text(json.dumps({"quantization_config": {"quant_algo": "NVFP4", "group_size": 32}}))
+    with pytest.raises(CheckpointError, match="NVFP4 uses 1x16 blocks, the config says 32"):
+        NVFP4Linear.from_checkpoint(tmp_path / "a", "m")
+    bad = dict(t)
+    bad["m.weight_scale_2"] = torch.tensor(float("inf"))
+    with pytest.raises(CheckpointError, match="weight_scale_2"):
+        NVFP4Linear.from_checkpoint(bad, "m")
+    bad["m.weight_scale_2"] = torch.tensor(3e38)
+    with pytest.raises(CheckpointError, match="m.weight_scale_2: found scale 3e\\+38"):
+        NVFP4Linear.from_checkpoint(bad, "m")
+    bad = dict(t)
+    bad["m.weight_scale"] = t["m.weight_scale"][:, :3]
+    with pytest.raises(CheckpointError, match=r"m.weight_scale: expected shape \[48, 7\]"):
+        NVFP4Linear.from_checkpoint(bad, "m")
+
+
+def test_convert_to_nvfp4_round_trips(tmp_path):
+    from torch_bq.nn import NVFP4Linear
+
+    w = _weight(40, 99)
+    save_file({"p.weight": w}, tmp_path / "src.safetensors")
+    assert cli.convert_main([str(tmp_path / "src.safetensors"), str(tmp_path / "out"), "--format", "nvfp4", "-q",
+                             "--exclude", ""]) == 0
+    m = NVFP4Linear.from_checkpoint(tmp_path / "out", "p")
+    data, scale, scale_2 = formats.quantize_nvfp4(w)
+    assert m.in_features == 99 and torch.equal(m.weight, data) and torch.equal(_u8(m.weight_scale), _u8(scale))
+    assert torch.equal(m.weight_scale_2, scale_2.reshape(())) and detect_linear(tmp_path / "out", "p").source == "record"
+
+
+def test_one_nan_scan_and_one_class_check_per_load(tmp_path, monkeypatch):
+    import torch_bq.checkpoint.layouts as layouts
+    import torch_bq.nn.linear as linear
+
+    calls = {"scan": 0, "check": 0}
+    real_scan, real_check = layouts.scan_nan_codes, linear.check_module_class
+
+    def scan(*a, **k):
+        calls["scan"] += 1
+        return real_scan(*a, **k)
+
+    def check(*a, **k):
+        calls["check"] += 1
+        return real_check(*a, **k)
+
+    monkeypatch.setattr(layouts, "scan_nan_codes", scan)
+    monkeypatch.setattr(linear, "scan_nan_codes", scan)
+    monkeypatch.setattr(linear, "check_module_class", check)
+    model = torch.nn.ModuleDict({"p": FP8Linear.from_linear(torch.nn.Linear(64, 64))})
+    save_quantized(model, tmp_path / "q")
+    calls.update(scan=0, check=0)
+    FP8Linear.from_checkpoint(tmp_path / "q", "p")
+    assert calls == {"scan": 1, "check": 1}
+
+
+def test_modelopt_per_tensor_fp8_loads_bit_exactly(tmp_path):
+    # ModelOpt FP8: e4m3 data, ONE float32 weight_scale, input_scale (static, ignored)
+    w = _weight(48, 100)
+    scale = (w.abs().max() / 448).reshape(())
+    data = (w / scale).to(torch.float8_e4m3fn)
+    (tmp_path / "mo").mkdir()
+    save_file({"m.weight": data, "m.weight_scale": scale, "m.input_scale": torch.tensor(0.25)},
+              tmp_path / "mo" / "model.safetensors")
+    (tmp_path / "mo" / "config.json").write_text(json.dumps(
+        {"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8"}}))
+    layout = detect_linear(tmp_path / "mo", "m")
+    assert (layout.layout, layout.format, layout.block) == ("modelopt", "fp8", (48, 100))
+    m = FP8Linear.from_checkpoint(tmp_path / "mo", "m")
+    assert torch.equal(m.dequantize(torch.float32).weight, data.float() * scale)
+    skeleton = torch.nn.ModuleDict({"m": torch.nn.Linear(100, 48, bias=False)})
+    load_quantized_(skeleton, tmp_path / "mo")
+    x = torch.randn(2, 100)
+    assert isinstance(skeleton["m"], FP8Linear) and torch.equal(skeleton["m"](x), m(x))
+    with pytest.raises(CheckpointError, match="a scalar scale is ModelOpt's per-tensor FP8 and needs F8_E4M3 data"):
+        FP8Linear.from_checkpoint({"m.weight": data.view(torch.uint8), "m.weight_scale": scale}, "m")
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 64)
+        self.proj = torch.nn.Linear(64, 64)
+        self.head = torch.nn.Linear(64, 50, bias=False)
+        self.head.weight = self.embed.weight  # tied, as lm_head = embed_tokens
+
+
+def test_tied_weights_are_stored_once_and_read_back_under_both_names(tmp_path):
+    from torch_bq.checkpoint import CheckpointReader
+
+    torch.manual_seed(0)
+    model = _Tied()
+    quantize_(model, "fp8", filter_fn=lambda m, name: name == "proj")
+    summary = save_quantized(model, tmp_path / "q")
+    assert summary["tied"] == {"head.weight": "embed.weight"}
+    reader = CheckpointReader(tmp_path / "q")
+    assert "head.weight" in reader and "head.weight" not in reader.keys()
+    assert torch.equal(reader.get("head.weight"), model.embed.weight.detach())
+    skeleton = _Tied()
+    load_quantized_(skeleton, tmp_path / "q")  # strict: every model tensor is found
+    x = torch.randint(0, 50, (3,))
+    assert torch.equal(skeleton.head(skeleton.proj(skeleton.embed(x))), model.head(model.proj(model.embed(x))))

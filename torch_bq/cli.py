@@ -43,7 +43,8 @@ class InspectRow:
     experts: Optional[int]
     nbytes: int  # data + scale bytes, all experts
     status: str  # "ok" or what is wrong
-    source: str = "?"  # where format and block came from: record, config, layout, shapes
+    source: str = "?"  # where format and block came from: record, config, argument, layout, shapes
+    scale: str = "?"  # the stored scale encoding: e8m0, f32 (bf16/f16 widened), e4m3 (NVFP4)
 
     @property
     def ok(self) -> bool:
@@ -70,12 +71,12 @@ def inspect_checkpoint(source, *, progress: Optional[TextIO] = None) -> tuple[li
         quantized_prefixes,
         read_linear,
     )
-    from .nn.convert import _Progress
+    from .nn.convert import Progress
 
     rows: list[InspectRow] = []
     with open_checkpoint(source) as reader:
         prefixes = quantized_prefixes(reader.keys())
-        bar = _Progress(progress, max(1, len(prefixes)), "inspect")
+        bar = Progress(progress, max(1, len(prefixes)), "inspect")
         used: set[str] = set()
         for prefix in prefixes:
             try:
@@ -101,7 +102,7 @@ def inspect_checkpoint(source, *, progress: Optional[TextIO] = None) -> tuple[li
             nbytes = sum(reader.nbytes(n) for n in names if n != layout.bias_name)
             rows.append(InspectRow(prefix, layout.layout, layout.format, layout.block,
                                    (layout.out_features, layout.in_features), layout.num_experts, nbytes, status,
-                                   layout.source))
+                                   layout.source, _scale_name(reader.dtype(layout.scale_name))))
             bar.step(prefix)
         other = [k for k in reader.keys() if k not in used]
         totals = {
@@ -111,6 +112,12 @@ def inspect_checkpoint(source, *, progress: Optional[TextIO] = None) -> tuple[li
             "invalid": sum(not r.ok for r in rows),
         }
     return rows, totals
+
+
+def _scale_name(dtype: torch.dtype) -> str:
+    if dtype in (torch.float8_e8m0fnu, torch.uint8):
+        return "e8m0"
+    return {torch.float8_e4m3fn: "e4m3"}.get(dtype, "f32")  # bf16/f16 scales are widened to float32 on load
 
 
 def _mib(n: int) -> str:
@@ -129,12 +136,12 @@ def _run_inspect(args: argparse.Namespace, out: TextIO = None) -> int:
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    header = ("tensor", "layout", "format", "block", "from", "shape [N, K]", "bytes", "status")
+    header = ("tensor", "layout", "format", "block", "scale", "from", "shape [N, K]", "bytes", "status")
     table = [header]
     for r in rows:
         shape = f"{r.shape[0]} x {r.shape[1]}" + (f" x {r.experts} experts" if r.experts else "")
         block = "-" if r.block is None else f"{r.block[0]}x{r.block[1]}"
-        table.append((r.name, r.layout, r.format, block, r.source, shape, _mib(r.nbytes), r.status))
+        table.append((r.name, r.layout, r.format, block, r.scale, r.source, shape, _mib(r.nbytes), r.status))
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
     for row in table:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1], file=out)
@@ -213,7 +220,8 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("input", help="a .safetensors file or a checkpoint directory")
     p.add_argument("output", help="output directory")
-    p.add_argument("--format", required=True, choices=("fp8", "fp4"))
+    p.add_argument("--format", required=True, choices=("fp8", "fp4", "nvfp4"),
+                   help="fp8 (any --block), fp4 (OCP MXFP4) or nvfp4 (NVIDIA, ModelOpt layout)")
     p.add_argument("--block", type=_parse_block, default=(32, 32), help="fp8 scale block BNxBK (default 32x32)")
     p.add_argument("--scale-dtype", choices=("e8m0", "f32"), default="e8m0", help="fp8 scale storage (default e8m0)")
     p.add_argument("--rounding", choices=("ceil", "floor"), default="ceil", help="fp4 scale rule (default ceil)")

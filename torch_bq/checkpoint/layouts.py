@@ -39,8 +39,8 @@ import torch
 from .. import formats
 from .errors import AmbiguousLayoutError, CheckpointError, MissingTensorError
 from .reader import CheckpointReader, Source, open_checkpoint
-from .record import LayerRecord, check_block_value, config_record, decode_records, family_block
-from .scan import scan_nan_codes
+from .record import LayerRecord, check_block_value, config_record, family_block
+from .scan import check_scale_range, scan_nan_codes
 
 __all__ = [
     "LinearLayout",
@@ -101,10 +101,12 @@ class LinearLayout:
     expert: Optional[int] = None
     num_experts: Optional[int] = None
     source: str = "shapes"
+    tensor_scale_name: Optional[str] = None  # NVFP4's per-tensor ``weight_scale_2``
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(n for n in (self.weight_name, self.scale_name, self.bias_name) if n is not None)
+        return tuple(n for n in (self.weight_name, self.scale_name, self.tensor_scale_name, self.bias_name)
+                     if n is not None)
 
 
 @dataclass
@@ -124,6 +126,7 @@ class LinearWeights:
     bias: Optional[torch.Tensor] = None
     extra: dict = field(default_factory=dict)
     scanned: bool = False
+    tensor_scale: Optional[torch.Tensor] = None  # NVFP4's float32 ``weight_scale_2`` (0-d)
 
     @property
     def format(self) -> str:
@@ -164,8 +167,7 @@ def record_of(reader: CheckpointReader, prefix: str, weight_name: str) -> Option
     block there: int64 ``[bn, bk]``); config.json's torch_bq ``quantization_config``.
     """
     if weight_name in reader:
-        where = reader.file_of(weight_name) or reader.description
-        records = decode_records(reader.metadata(weight_name), str(where))
+        records = reader.records(weight_name)
         if prefix in records:
             return records[prefix]
     extra = f"{prefix}._extra_state" if prefix else "_extra_state"
@@ -313,8 +315,8 @@ def detect_linear(
         CheckpointError: wrong dtypes or shapes, records that contradict the tensors or
             the arguments, ambiguous names, a bad ``expert``.
     """
-    if format not in (None, "fp8", "fp4", "bf16", "fp32w"):
-        raise ValueError(f"format: expected 'fp8', 'fp4', 'bf16', 'fp32w' or None, got {format!r}")
+    if format not in (None, "fp8", "fp4", "nvfp4", "bf16", "fp32w"):
+        raise ValueError(f"format: expected 'fp8', 'fp4', 'nvfp4', 'bf16', 'fp32w' or None, got {format!r}")
     if in_features is not None and (isinstance(in_features, bool) or not isinstance(in_features, int) or in_features < 1):
         raise ValueError(f"in_features: expected a positive int, got {in_features!r}")
     with open_checkpoint(source) as reader:
@@ -323,6 +325,8 @@ def detect_linear(
         weight_name = f"{prefix}.weight"
         if weight_name not in reader:
             raise _missing(reader, prefix, "no weight found", _looked_for(prefix))
+        if any(prefix + s in reader for s in formats.NVFP4.suffixes.tensor_scale):
+            return _detect_nvfp4(reader, prefix, expert, in_features, format)
         scales = [prefix + s for s in SCALE_SUFFIXES if prefix + s in reader]
         if len(scales) > 1:
             raise CheckpointError(f"{prefix}: more than one scale tensor present: {scales}; expected exactly one")
@@ -344,6 +348,8 @@ def detect_linear(
                                 "layout")
         scale_name = scales[0]
         layout = LAYOUT_OF_SUFFIX[scale_name[len(prefix):]]
+        if reader.shape(scale_name) in ((), (1,)) and len(reader.shape(weight_name)) == 2:
+            return _detect_per_tensor_fp8(reader, prefix, scale_name, bias_name, block, format)
         shape, e = _stack_dims(reader, weight_name, 2, expert)
         grid, e2 = _stack_dims(reader, scale_name, 2, expert)
         if e != e2:
@@ -399,6 +405,103 @@ def detect_linear(
         _check_bias(reader, bias_name, n, expert)
         return LinearLayout(prefix, layout, "fp4", weight_name, scale_name, bias_name, n, k, (1, 32), expert, e,
                             fmt_source)
+
+
+def _detect_per_tensor_fp8(reader: CheckpointReader, prefix: str, scale_name: str, bias_name: Optional[str],
+                           block, format: Optional[str]) -> LinearLayout:
+    """ModelOpt's FP8: F8_E4M3 ``weight`` with ONE float32 ``weight_scale`` (``[]`` or ``[1]``), multiplied.
+
+    One scale for the whole tensor is the fp8 format with the block ``(N, K)``: its
+    scale grid is ``[1, 1]``. ``input_scale`` (a static activation scale) is checked
+    and ignored, as for NVFP4.
+    """
+    weight_name = f"{prefix}.weight"
+    wdtype, sdtype = reader.dtype(weight_name), reader.dtype(scale_name)
+    if wdtype != torch.float8_e4m3fn or sdtype != torch.float32:
+        raise CheckpointError(
+            f"{scale_name}: a scalar scale is ModelOpt's per-tensor FP8 and needs F8_E4M3 data with a float32 "
+            f"scale, got {wdtype} data and a {sdtype} scale"
+        )
+    if format not in (None, "fp8"):
+        raise CheckpointError(f"{weight_name}: holds fp8 data (per-tensor scale), but {format} was asked for")
+    n, k = reader.shape(weight_name)
+    if block is not None and check_block_value(block, "block") != (n, k):
+        raise CheckpointError(f"{scale_name}: one scale covers the whole [{n}, {k}] weight; block={tuple(block)} does not")
+    input_scale = f"{prefix}.input_scale"
+    if input_scale in reader and (reader.dtype(input_scale) != torch.float32 or reader.shape(input_scale) not in ((), (1,))):
+        raise CheckpointError(f"{input_scale}: expected a float32 scalar, got {reader.dtype(input_scale)} "
+                              f"{list(reader.shape(input_scale))}")
+    _check_bias(reader, bias_name, n, None)
+    return LinearLayout(prefix, "modelopt", "fp8", weight_name, scale_name, bias_name, n, k, (n, k), None, None, "layout")
+
+
+def _modelopt_group_size(reader: CheckpointReader) -> Optional[tuple[int, str]]:
+    """ModelOpt's NVFP4 group size from ``config.json`` or ``hf_quant_config.json``, with where it was read."""
+    for file, get in (("config.json", lambda c: c.get("quantization_config")),
+                      ("hf_quant_config.json", lambda c: c.get("quantization"))):
+        qc = get(reader.side_file(file))
+        if isinstance(qc, Mapping) and str(qc.get("quant_algo", "")).upper() == "NVFP4":
+            g = qc.get("group_size", 16)
+            if isinstance(g, bool) or not isinstance(g, int):
+                raise CheckpointError(f"{file}: group_size must be an int, got {g!r}")
+            return g, f"{file} group_size"
+    return None
+
+
+def _detect_nvfp4(reader: CheckpointReader, prefix: str, expert: Optional[int], in_features: Optional[int],
+                  format: Optional[str]) -> LinearLayout:
+    """The ModelOpt NVFP4 layout: ``weight`` packed e2m1, ``weight_scale`` e4m3 1x16, ``weight_scale_2`` f32 scalar."""
+    fmt = formats.NVFP4
+    weight_name = prefix + fmt.suffixes.weight
+    scale_name = prefix + fmt.suffixes.scale[0]
+    ts_name = next(prefix + s for s in fmt.suffixes.tensor_scale if prefix + s in reader)
+    if scale_name not in reader:
+        raise _missing(reader, prefix, f"{ts_name} is present (NVFP4) but its block scale is missing", [scale_name])
+    if format not in (None, "nvfp4"):
+        raise CheckpointError(f"{weight_name}: holds nvfp4 data ({ts_name} is present), but {format} was asked for")
+    if expert is not None:
+        raise CheckpointError(f"{weight_name}: expert={expert} was given but NVFP4 tensors are not stacked here")
+    record = record_of(reader, prefix, weight_name)
+    if record is not None and not record.default and record.format != "nvfp4":
+        raise CheckpointError(f"{weight_name}: {record.source} records {record.format}, but {ts_name} marks nvfp4 data")
+    wdtype, sdtype, tdtype = reader.dtype(weight_name), reader.dtype(scale_name), reader.dtype(ts_name)
+    if wdtype not in fmt.element.storage:
+        raise CheckpointError(f"{weight_name}: expected NVFP4 packed data ({fmt.element.storage}), got {wdtype}")
+    if sdtype not in fmt.scales[0].storage:
+        raise CheckpointError(f"{scale_name}: expected e4m3 block scales ({fmt.scales[0].storage}), got {sdtype}")
+    if tdtype != torch.float32 or reader.shape(ts_name) not in ((), (1,)):
+        raise CheckpointError(f"{ts_name}: expected a float32 scalar ([] or [1]), got {tdtype} {list(reader.shape(ts_name))}")
+    for s in fmt.suffixes.ignored:  # activation scales: validated when read, never used (no NVFP4 activations)
+        if prefix + s in reader and (reader.dtype(prefix + s) != torch.float32 or reader.shape(prefix + s) not in ((), (1,))):
+            raise CheckpointError(f"{prefix + s}: expected a float32 scalar, got {reader.dtype(prefix + s)} "
+                                  f"{list(reader.shape(prefix + s))}")
+    shape, grid = reader.shape(weight_name), reader.shape(scale_name)
+    if len(shape) != 2 or len(grid) != 2:
+        raise CheckpointError(f"{weight_name}: expected 2-D NVFP4 data and scales, got {list(shape)} and {list(grid)}")
+    n, cols = shape
+    source = "layout"
+    group = _modelopt_group_size(reader)
+    if group is not None:
+        if group[0] != fmt.default_block[1]:
+            raise CheckpointError(f"{group[1]}: NVFP4 uses 1x{fmt.default_block[1]} blocks, the config says {group[0]}")
+        source = "config"
+    k = in_features
+    if record is not None and not record.default:
+        source = "record"
+        if record.in_features is not None:
+            if in_features is not None and in_features != record.in_features:
+                raise CheckpointError(f"{weight_name}: in_features={in_features} was passed but {record.source} "
+                                      f"records {record.in_features}")
+            k = record.in_features
+    k = _fp4_in_features(weight_name, cols, k)
+    expected = fmt.scale_shape(n, k)
+    if tuple(grid) != tuple(expected):
+        raise CheckpointError(f"{scale_name}: expected shape {list(expected)} for NVFP4 data {[n, cols]} (K={k}, "
+                              f"1x16 blocks), got {list(grid)}")
+    bias_name = f"{prefix}.bias" if f"{prefix}.bias" in reader else None
+    _check_bias(reader, bias_name, n, None)
+    return LinearLayout(prefix, "modelopt", "nvfp4", weight_name, scale_name, bias_name, n, k,
+                        tuple(fmt.default_block), None, None, source, ts_name)
 
 
 def _check_record_dims(record: LayerRecord, weight_name: str, n: int, k: int) -> None:
@@ -563,9 +666,16 @@ def read_linear(
             return reader.get_slice(name)[((layout.expert,) if stacked else ()) + tuple(index)]
 
         row_sl = slice(n0, n1)
-        if layout.format == "fp8":
+        if layout.format == "fp8" and reader.shape(layout.scale_name) in ((), (1,)):  # ModelOpt per-tensor
+            weight = read(layout.weight_name, 2, (row_sl, slice(k0, k1)))
+            scale = reader.get(layout.scale_name).reshape(1, 1)
+        elif layout.format == "fp8":
             weight = read(layout.weight_name, 2, (row_sl, slice(k0, k1)))
             scale = read(layout.scale_name, 2, (slice(n0 // bn, -(-n1 // bn)), slice(k0 // bk, -(-k1 // bk))))
+        elif layout.format == "nvfp4":
+            bk = layout.block[1]
+            scale = read(layout.scale_name, 2, (row_sl, slice(k0 // bk, -(-k1 // bk))))
+            weight = read(layout.weight_name, 2, (row_sl, slice(k0 // 2, -(-k1 // 2))))
         elif layout.format == "fp4":
             scale = read(layout.scale_name, 2, (row_sl, slice(k0 // 32, -(-k1 // 32))))
             if layout.layout == "gpt-oss":
@@ -584,6 +694,10 @@ def read_linear(
             elif scale.dtype in (torch.bfloat16, torch.float16):
                 scale = scale.to(torch.float32)  # exact widening; the op takes float32 multipliers
             fmt_name = "fp8"
+        elif layout.format == "nvfp4":
+            weight = formats.as_fp4_bytes(weight, layout.weight_name)
+            scale = scale.view(formats.NVFP4.scales[0].dtype)
+            fmt_name = "nvfp4"
         elif layout.format == "fp4":
             if layout.layout == "gpt-oss":
                 weight = weight.reshape(weight.shape[0], -1)  # [N, K/32, 16] -> [N, K/2], same byte order
@@ -594,10 +708,19 @@ def read_linear(
             if weight.dtype == torch.float16:
                 weight = weight.to(torch.float32)  # exact; runs as fp32w
             fmt_name = None
+        tensor_scale = None
+        if layout.tensor_scale_name is not None:
+            tensor_scale = reader.get(layout.tensor_scale_name).reshape(())
         if fmt_name is not None:
             try:
                 k_check = None if layout.weight_name in region else layout.in_features
-                scan_nan_codes(weight, scale, name=layout.weight_name, fmt=fmt_name, in_features=k_check)
+                if fmt_name == "nvfp4":
+                    formats.NVFP4.find_nan_codes(None, scale, tensor_scale=tensor_scale, name=layout.weight_name)
+                    check_scale_range(tensor_scale, name=layout.tensor_scale_name,
+                                      limit=torch.finfo(torch.float32).max / (6.0 * formats.FP8_MAX))
+                    scan_nan_codes(weight, None, name=layout.weight_name, fmt=fmt_name, in_features=k_check)
+                else:
+                    scan_nan_codes(weight, scale, name=layout.weight_name, fmt=fmt_name, in_features=k_check)
             except ValueError as e:
                 # formats names a scale "<weight>_scale"; say the checkpoint's own name instead
                 msg = str(e)
@@ -606,7 +729,8 @@ def read_linear(
                 if sharded:
                     msg += f" (index within rows {n0}:{n1}, cols {k0}:{k1})"
                 raise CheckpointError(msg) from None
-        return LinearWeights(layout, weight, scale, bias, {"rows": (n0, n1), "cols": (k0, k1)}, scanned=True)
+        return LinearWeights(layout, weight, scale, bias, {"rows": (n0, n1), "cols": (k0, k1)}, scanned=True,
+                             tensor_scale=tensor_scale)
 
 
 def resolve_linear(

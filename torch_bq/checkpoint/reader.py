@@ -23,6 +23,7 @@ from typing import Iterator, Mapping, Optional, Union
 import torch
 
 from .errors import CheckpointError, IncompleteCheckpointError, MissingTensorError, UnsafePathError
+from .record import LayerRecord, decode_records
 from .safetensors_file import SafetensorsFile, open_regular
 
 __all__ = ["CheckpointReader", "open_checkpoint", "INDEX_NAME", "Source", "SHARD_PATTERN"]
@@ -76,9 +77,11 @@ class CheckpointReader:
 
     def __init__(self, source: Union[str, os.PathLike, Mapping[str, torch.Tensor]]) -> None:
         self._files: dict[str, SafetensorsFile] = {}
+        self._records: dict[str, dict[str, LayerRecord]] = {}  # file -> its decoded records
         self._config: Optional[dict] = None
         self._tensors: Optional[Mapping[str, torch.Tensor]] = None
         self._where: dict[str, str] = {}  # tensor name -> file
+        self._alias: dict[str, str] = {}  # tied name -> the stored name it reads (save_quantized's ties)
         self._index: Optional[Path] = None
         self.root: Optional[Path] = None  # where config.json is looked for
         self.directory: Optional[Path] = None  # set when the source is a directory
@@ -112,7 +115,7 @@ class CheckpointReader:
         index = root / INDEX_NAME
         if index.exists() or index.is_symlink():
             self._index = index
-            weight_map = self._read_index(index)
+            weight_map, tied = self._read_index(index)
             shards = sorted(set(weight_map.values()))
             files = {name: self._confined(root, name, index) for name in shards}
             absent = [name for name, f in files.items() if not f.exists()]
@@ -134,6 +137,8 @@ class CheckpointReader:
             # Shard headers are read when a tensor of that shard is first asked about,
             # so loading one layer of a 160-shard checkpoint opens only its shards.
             self._where = {tensor: str(files[file]) for tensor, file in weight_map.items()}
+            for alias, kept in tied.items():
+                self._where[alias], self._alias[alias] = self._where[kept], kept
             return
         files = sorted(root.glob("*.safetensors"))
         if not files:
@@ -148,7 +153,7 @@ class CheckpointReader:
             self._confined(root, f.name, root)
             self._add_file(f)
 
-    def _read_index(self, index: Path) -> dict[str, str]:
+    def _read_index(self, index: Path) -> tuple[dict[str, str], dict[str, str]]:
         data = read_json(index, "safetensors index")
         if not isinstance(data, dict) or not isinstance(data.get("weight_map"), dict):
             got = type(data.get("weight_map")).__name__ if isinstance(data, dict) else type(data).__name__
@@ -160,7 +165,17 @@ class CheckpointReader:
                     f"{index}: weight_map[{tensor!r}] must be a shard file name (a non-empty string), "
                     f"got {type(file).__name__} {file!r}"
                 )
-        return weight_map
+        # Tied tensors (lm_head = embed_tokens) are stored once; the index names the others.
+        meta = data.get("metadata")
+        tied = meta.get("torch_bq_tied", {}) if isinstance(meta, dict) else {}
+        if not isinstance(tied, dict) or not all(
+            isinstance(a, str) and isinstance(k, str) and k in weight_map and a not in weight_map
+            for a, k in tied.items()
+        ):
+            raise CheckpointError(
+                f"{index}: metadata.torch_bq_tied must map tied names absent from weight_map to stored ones, got {tied!r}"
+            )
+        return weight_map, tied
 
     @staticmethod
     def _confined(root: Path, name: str, where: Path) -> Path:
@@ -192,8 +207,9 @@ class CheckpointReader:
         return self._files[key]
 
     def _entry(self, name: str) -> tuple[SafetensorsFile, str]:
-        """The parsed file holding ``name``, reading its header on first use."""
+        """The parsed file holding ``name`` and the name stored there, reading its header on first use."""
         f = self._file(self._where[name])
+        name = self._alias.get(name, name)
         if name not in f.entries:
             raise CheckpointError(f"{self._index}: maps {name!r} to {f.path.name!r}, but that shard does not hold it")
         return f, name
@@ -201,8 +217,10 @@ class CheckpointReader:
     # -- queries -----------------------------------------------------------------
 
     def keys(self) -> list[str]:
-        """All tensor names, sorted."""
-        return sorted(self._tensors.keys() if self._tensors is not None else self._where)
+        """All tensor names stored, sorted (a tied name is readable but not listed: it is stored once)."""
+        if self._tensors is not None:
+            return sorted(self._tensors.keys())
+        return sorted(k for k in self._where if k not in self._alias)
 
     def __contains__(self, name: object) -> bool:
         return name in (self._tensors if self._tensors is not None else self._where)
@@ -211,7 +229,7 @@ class CheckpointReader:
         return iter(self.keys())
 
     def __len__(self) -> int:
-        return len(self._tensors if self._tensors is not None else self._where)
+        return len(self._tensors) if self._tensors is not None else len(self._where) - len(self._alias)
 
     def file_of(self, name: str) -> Optional[str]:
         """The file holding ``name`` (``None`` for a mapping)."""
@@ -255,6 +273,17 @@ class CheckpointReader:
         if self._tensors is not None:
             return {}
         return self._entry(name)[0].metadata
+
+    def records(self, name: str) -> dict[str, "LayerRecord"]:
+        """torch_bq's layer records in the file holding tensor ``name`` (decoded once per file; ``{}`` for a mapping)."""
+        self._require(name)
+        if self._tensors is not None:
+            return {}
+        f = self._entry(name)[0]
+        key = str(f.path)
+        if key not in self._records:
+            self._records[key] = decode_records(f.metadata, key)
+        return self._records[key]
 
     @property
     def config(self) -> dict:

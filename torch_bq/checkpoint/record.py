@@ -48,10 +48,11 @@ RECORD_VERSION = 1
 QUANT_METHOD = "torch_bq"
 
 #: accepted format names -> canonical name
-FORMAT_NAMES = {"fp8": "fp8", "mxfp8": "fp8", "fp4": "fp4", "mxfp4": "fp4", "bf16": "bf16", "fp32w": "fp32w"}
+FORMAT_NAMES = {"fp8": "fp8", "mxfp8": "fp8", "fp4": "fp4", "mxfp4": "fp4", "nvfp4": "nvfp4", "bf16": "bf16",
+                "fp32w": "fp32w"}
 
 #: recorded scale dtype names -> torch dtypes
-SCALE_DTYPES = {"float8_e8m0fnu": torch.float8_e8m0fnu, "float32": torch.float32}
+SCALE_DTYPES = {"float8_e8m0fnu": torch.float8_e8m0fnu, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,8 @@ def _parse_layer(value, where: str, default: bool = False) -> LayerRecord:
         dims[key] = v
     if fmt == "fp4" and block not in (None, (1, 32)):
         raise CheckpointError(f"{where}.block: fp4 (MXFP4) blocks are [1, 32], got {list(block)}")
+    if fmt == "nvfp4" and block not in (None, (1, 16)):
+        raise CheckpointError(f"{where}.block: nvfp4 blocks are [1, 16], got {list(block)}")
     return LayerRecord(fmt, block, sdt, dims["in_features"], dims["out_features"], where, default)
 
 

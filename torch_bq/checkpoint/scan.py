@@ -59,7 +59,8 @@ def scan_nan_codes(
 _DATA_MAX = {"fp8": formats.FP8_MAX, "fp4": 6.0}
 
 
-def check_scale_range(scale: torch.Tensor, *, name: str = "weight_scale", fmt: str = "fp8") -> None:
+def check_scale_range(scale: torch.Tensor, *, name: str = "weight_scale", fmt: str = "fp8",
+                      limit: Optional[float] = None) -> None:
     """Raise ``ValueError`` if a float32 multiplier would overflow float32 on the largest data code.
 
     A float32 scale of 3e38 is finite and positive, but 448 x 3e38 is inf: the
@@ -68,7 +69,8 @@ def check_scale_range(scale: torch.Tensor, *, name: str = "weight_scale", fmt: s
     """
     if scale.dtype != torch.float32 or scale.numel() == 0:
         return
-    limit = torch.finfo(torch.float32).max / _DATA_MAX.get(fmt, formats.FP8_MAX)
+    if limit is None:
+        limit = torch.finfo(torch.float32).max / _DATA_MAX.get(fmt, formats.FP8_MAX)
     bad = scale > limit
     if bool(bad.any()):
         index = [int(i) for i in bad.nonzero()[0]]

@@ -1,9 +1,11 @@
-"""The nn side of checkpoint loading: which module class holds which format, and ``load_linear``.
+"""Compatibility names for checkpoint loading (the old ``torch_bq.nn.checkpoint`` module).
 
 Reading (files, indexes, records, layouts) lives in :mod:`torch_bq.checkpoint`,
 which returns a :class:`~torch_bq.checkpoint.LinearWeights`; modules build
-themselves from it with ``from_weights``. The reader's public names are
-re-exported here so ``torch_bq.nn.checkpoint.CheckpointReader`` etc. keep working.
+themselves from it with ``from_weights``, and the format -> class registry
+(:data:`FORMAT_CLASSES`, :func:`load_linear`, :func:`build_module`) lives with the
+classes in :mod:`torch_bq.nn.linear`. Both are re-exported here so
+``torch_bq.nn.checkpoint.CheckpointReader`` etc. keep working.
 
 Typical reuse by other modules::
 
@@ -13,8 +15,6 @@ Typical reuse by other modules::
 """
 
 from __future__ import annotations
-
-from typing import Optional, Sequence
 
 from ..checkpoint import (  # noqa: F401  (re-exported)
     INDEX_NAME,

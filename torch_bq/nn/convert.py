@@ -534,14 +534,14 @@ def _quantized_layout(reader: CheckpointReader, prefix: str):
     if not any(n in reader for n in names):
         return None
     layout = detect_linear(reader, prefix)
-    return layout if layout.format in ("fp8", "fp4") else None
+    return layout if layout.format in ("fp8", "fp4", "nvfp4") else None
 
 # =========================================================================== #
 # convert_checkpoint
 # =========================================================================== #
 
 
-class _Progress:
+class Progress:
     """Progress on ``stream``: one line rewritten in place on a terminal, else one line per percent."""
 
     def __init__(self, stream: Optional[TextIO], total: int, what: str) -> None:
@@ -560,6 +560,9 @@ class _Progress:
         elif self.done == self.total or self.done * 100 // self.total != (self.done - 1) * 100 // self.total:
             self.stream.write(line + "\n")  # a log file gets at most ~100 lines
         self.stream.flush()
+
+
+_Progress = Progress  # the old private name
 
 
 def _compile_regex(pattern: Optional[str], name: str) -> Optional[re.Pattern]:
@@ -750,7 +753,8 @@ def convert_checkpoint(
         dst: output directory (created; must be absent or empty unless ``overwrite``,
             which replaces it as a whole; may lie inside the source directory but
             must not be it or contain any source file).
-        format: ``"fp8"`` or ``"fp4"``.
+        format: ``"fp8"``, ``"fp4"`` (MXFP4) or ``"nvfp4"`` (NVIDIA's, in ModelOpt's layout:
+            ``{p}.weight``, ``{p}.weight_scale`` e4m3 1x16, ``{p}.weight_scale_2``).
         block, scale_dtype: fp8 options (see :func:`torch_bq.formats.quantize_fp8`); any
             block: each shard records every layer's format, block, scale dtype and
             ``[N, K]`` in its ``__metadata__``, and a copied ``config.json`` gets
@@ -771,9 +775,11 @@ def convert_checkpoint(
         FileExistsError / NotADirectoryError: ``dst`` is not empty / is a file.
         OSError: writing failed (read-only, disk full); nothing was changed.
     """
-    if format not in ("fp8", "fp4"):
-        raise ValueError(f"format: expected 'fp8' or 'fp4', got {format!r}")
-    block = formats._check_block(block)
+    if format not in ("fp8", "fp4", "nvfp4"):
+        raise ValueError(f"format: expected 'fp8', 'fp4' or 'nvfp4', got {format!r}")
+    block = formats.check_block(block)
+    out_block = tuple(block) if format == "fp8" else tuple(formats.get_format(format).default_block)
+    out_scale_dtype = scale_dtype if format == "fp8" else formats.get_format(format).scales[0].dtype
     include_re, exclude_re = _compile_regex(include, "include"), _compile_regex(exclude or None, "exclude")
     dst = Path(dst)
     summary = {"quantized": [], "copied": [], "bytes_in": 0, "bytes_out": 0, "files": []}
@@ -785,7 +791,7 @@ def convert_checkpoint(
             [[k for k in reader.keys() if reader.file_of(k) == f] for f in files] if files else [reader.keys()]
         )
         extras = [p for p in _source_paths(reader) if p.suffix != ".safetensors" and p.name != INDEX_NAME]
-        bar = _Progress(progress, len(reader), "convert")
+        bar = Progress(progress, len(reader), "convert")
         weight_map: dict[str, str] = {}
         with StagedDirectory(dst) as stage:
             for i, names in enumerate(groups):
@@ -810,14 +816,16 @@ def convert_checkpoint(
                         try:
                             if format == "fp8":
                                 data, scale = formats.quantize_fp8(t, block, scale_dtype)
+                            elif format == "nvfp4":
+                                data, scale, scale_2 = formats.quantize_nvfp4(t)
+                                out[f"{prefix}.weight_scale_2"] = scale_2
                             else:
                                 data, scale = formats.quantize_fp4(t, rounding)
                         except ValueError as e:
                             raise CheckpointError(f"{name}: {e}") from None
                         out[f"{prefix}.weight"], out[f"{prefix}.weight_scale"] = data, scale
                         records[prefix] = LayerRecord(
-                            format, tuple(block) if format == "fp8" else (1, 32),
-                            scale_dtype if format == "fp8" else torch.float8_e8m0fnu,
+                            format, out_block, out_scale_dtype,
                             in_features=int(t.shape[1]), out_features=int(t.shape[0]),
                         )
                         summary["quantized"].append(name)
@@ -833,15 +841,14 @@ def convert_checkpoint(
                 del out
             (stage.path / INDEX_NAME).write_text(json.dumps(
                 {"metadata": {"total_size": summary["bytes_out"], "torch_bq": {
-                    "format": format, "block": list(block) if format == "fp8" else [1, 32],
-                    "scale_dtype": str(scale_dtype).replace("torch.", "") if format == "fp8" else "float8_e8m0fnu"}},
+                    "format": format, "block": list(out_block),
+                    "scale_dtype": str(out_scale_dtype).replace("torch.", "")}},
                  "weight_map": dict(sorted(weight_map.items()))}, indent=2))
             for extra in sorted(extras):
                 shutil.copy2(extra, stage.path / extra.name)
             if (stage.path / "config.json").is_file():
                 _record_config(stage.path / "config.json", quantization_config(
-                    format, block if format == "fp8" else (1, 32),
-                    scale_dtype if format == "fp8" else torch.float8_e8m0fnu,
+                    format, out_block, out_scale_dtype,
                     modules_to_not_convert=sorted(n[: -len(".weight")] for n in summary["copied"] if n.endswith(".weight")),
                 ))
             stage.commit()

@@ -718,6 +718,7 @@ class NVFP4Linear(_QuantizedLinear):
         act_quant: bool = False,
         act_peak: float = formats.DEFAULT_ACT_PEAK,
         name: str = "weight",
+        scan_codes: bool = True,
     ) -> "NVFP4Linear":
         """Wrap existing NVFP4 storage (no copy) after checking dtypes, shapes and corrupt codes.
 
@@ -728,10 +729,11 @@ class NVFP4Linear(_QuantizedLinear):
             bias: ``[N]`` float or ``None``.
             in_features: ``K``; defaults to ``2 * weight.shape[1]``.
             name: the tensor's name in error messages.
+            scan_codes: scan for corrupt codes (``False`` only for tensors already scanned).
         """
         fmt = cls.format
         k = fmt.check(weight, weight_scale, in_features=in_features, tensor_scale=weight_scale_2, name=name)
-        if not weight.is_meta:
+        if scan_codes and not weight.is_meta:
             fmt.find_nan_codes(None, weight_scale, tensor_scale=weight_scale_2, name=name)
             scan_nan_codes(weight, None, name=name, fmt=fmt.name, in_features=k)
         n = weight.shape[0]
@@ -743,6 +745,17 @@ class NVFP4Linear(_QuantizedLinear):
         module.weight_scale_2 = weight_scale_2.reshape(())
         module.bias = bias
         return module
+
+    @classmethod
+    def from_weights(cls, weights: LinearWeights, *, act_quant: Optional[bool] = None,
+                     act_peak: Optional[float] = None, checked: bool = False) -> "NVFP4Linear":
+        """Build from a loader's :class:`~torch_bq.checkpoint.LinearWeights` (no copy, no second scan)."""
+        if not checked:
+            check_module_class(cls, weights.layout)
+        return cls.from_quantized(
+            weights.weight, weights.scale, weights.tensor_scale, weights.bias, in_features=weights.in_features,
+            name=weights.layout.weight_name, scan_codes=not weights.scanned, **_module_options(act_quant, act_peak),
+        )
 
     @classmethod
     def from_linear(
@@ -955,7 +968,7 @@ def _module_options(act_quant: Optional[bool], act_peak: Optional[float]) -> dic
 # =========================================================================== #
 
 #: format name -> the torch_bq module class that holds it (the one registry)
-FORMAT_CLASSES = {"fp8": FP8Linear, "fp4": FP4Linear, "bf16": BF16Linear, "fp32w": BF16Linear}
+FORMAT_CLASSES = {"fp8": FP8Linear, "fp4": FP4Linear, "nvfp4": NVFP4Linear, "bf16": BF16Linear, "fp32w": BF16Linear}
 
 
 def module_class_for(fmt: str):

@@ -15,14 +15,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 import torch
 from torch import nn
 
 from ..checkpoint import INDEX_NAME, LayerRecord, encode_records, quantization_config
 from ._staging import StagedDirectory
-from .linear import BF16Linear, FP4Linear, FP8Linear
+from .linear import BF16Linear, FP4Linear, FP8Linear, NVFP4Linear
 
 __all__ = ["save_quantized", "layer_records", "DEFAULT_MAX_SHARD_BYTES"]
 
@@ -38,6 +38,8 @@ def layer_records(model: nn.Module) -> dict[str, LayerRecord]:
             rec = LayerRecord("fp8", tuple(m.block), m.weight_scale.dtype, m.in_features, m.out_features)
         elif isinstance(m, FP4Linear):
             rec = LayerRecord("fp4", (1, 32), torch.float8_e8m0fnu, m.in_features, m.out_features)
+        elif isinstance(m, NVFP4Linear):
+            rec = LayerRecord("nvfp4", (1, 16), torch.float8_e4m3fn, m.in_features, m.out_features)
         elif isinstance(m, BF16Linear):
             fmt = "fp32w" if m.weight.dtype == torch.float32 else "bf16"
             rec = LayerRecord(fmt, None, None, m.in_features, m.out_features)
@@ -122,14 +124,15 @@ def save_quantized(
             file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
             held = {p: r for p, r in records.items() if f"{p}.weight" in names}
             meta = {"format": "pt", **encode_records(held)}
-            if aliases and i == 0:
-                meta["torch_bq_tied"] = json.dumps(aliases, sort_keys=True)
             save_file({n: tensors[n] for n in names}, stage.path / file, metadata=meta)
             weight_map.update({n: file for n in names})
             files.append(file)
         total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index_meta = {"total_size": total}
+        if aliases:  # read back by CheckpointReader: a tied name reads the stored tensor
+            index_meta["torch_bq_tied"] = dict(sorted(aliases.items()))
         (stage.path / INDEX_NAME).write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+            {"metadata": index_meta, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
         config = getattr(model, "config", None)
         if config is not None and callable(getattr(config, "to_dict", None)) and records:
             (stage.path / "config.json").write_text(json.dumps(
@@ -140,7 +143,7 @@ def save_quantized(
 
 def _model_config(records: dict[str, LayerRecord]) -> dict:
     """torch_bq's ``quantization_config``: the most common quantized format as default, the others listed."""
-    quantized = [r for r in records.values() if r.format in ("fp8", "fp4")] or list(records.values())
+    quantized = [r for r in records.values() if r.format in ("fp8", "fp4", "nvfp4")] or list(records.values())
     counts: dict[tuple, int] = {}
     for r in quantized:
         counts[(r.format, r.block, r.scale_dtype)] = counts.get((r.format, r.block, r.scale_dtype), 0) + 1
