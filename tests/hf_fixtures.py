@@ -128,6 +128,21 @@ def qwen3_fp8(model, path: Path) -> Path:
     return deepseek_fp8(model, path)
 
 
+def modelopt_nvfp4(model, path: Path) -> Path:
+    """NVIDIA ModelOpt's NVFP4 layout: packed e2m1 ``weight``, e4m3 1x16 ``weight_scale``, float32 scalar
+    ``weight_scale_2`` and ``input_scale``; ``quant_method: "modelopt"``, ``quant_algo: "NVFP4"``."""
+    state = _original_state(model, path.with_name(path.name + "_src"))
+    skip = lambda k: any(s in k for s in ("embed_tokens", "lm_head", "norm"))
+    out = dict(state)
+    for name in _quantized_linear_names(state, skip):
+        data, scale, scale_2 = formats.quantize_nvfp4(state[name].float())
+        prefix = name[: -len(".weight")]
+        out[name], out[prefix + ".weight_scale"], out[prefix + ".weight_scale_2"] = data, scale, scale_2
+        out[prefix + ".input_scale"] = torch.tensor(1.0)
+    return _write(path, out, model, {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                                     "exclude_modules": ["lm_head"]})
+
+
 def gpt_oss_mxfp4(model, path: Path) -> Path:
     """gpt-oss's MXFP4 release layout: experts only, N-major blocks, bf16 elsewhere."""
     state = _original_state(model, path.with_name(path.name + "_src"))
@@ -166,6 +181,11 @@ def dequantized_model(family: str, path: Path, dtype=torch.bfloat16):
                 e, n, g, _ = t.shape
                 w = torch.stack([formats.dequantize_fp4(t[i].reshape(n, g * 16), scales[i]) for i in range(e)])
                 state[base] = w.transpose(1, 2).to(dtype)
+            elif k.endswith(".weight") and k[: -len(".weight")] + ".weight_scale_2" in keys:
+                p = k[: -len(".weight")]
+                state[k] = formats.dequantize_nvfp4(t, r.get(p + ".weight_scale"), r.get(p + ".weight_scale_2")).to(dtype)
+            elif k.endswith((".weight_scale", ".weight_scale_2", ".input_scale")) and k.rsplit(".", 1)[0] + ".weight_scale_2" in keys:
+                continue
             elif k.endswith(".weight") and k[: -len(".weight")] + ".weight_scale_inv" in keys:
                 s = r.get(k[: -len(".weight")] + ".weight_scale_inv")
                 state[k] = formats.dequantize_fp8(t, s, (128, 128), torch.float32).to(dtype)

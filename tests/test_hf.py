@@ -319,3 +319,18 @@ def test_plain_transformers_refuses_a_torch_bq_directory(ckpt, tmp_path):
     code = ("from transformers import AutoModelForCausalLM\n"
             f"AutoModelForCausalLM.from_pretrained({str(tmp_path / 'saved')!r})\n")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode != 0
+
+
+def test_modelopt_nvfp4_checkpoint_loads_into_nvfp4_linears(tmp_path):
+    from torch_bq.nn import NVFP4Linear
+
+    path = fx.modelopt_nvfp4(fx.float_model("llama"), tmp_path / "nvfp4")
+    model = _load(path)
+    linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+    assert len(linears) == 14 and type(model.lm_head) is nn.Linear
+    reference = fx.dequantized_model("llama", path)
+    with torch.no_grad():
+        sqnr = fx.sqnr_db(model(PROMPT).logits, reference(PROMPT).logits)  # W4A16: no activation qdq
+    assert sqnr > SQNR_FLOOR_DB, sqnr
+    model.save_pretrained(tmp_path / "saved")
+    _assert_same_state(model, AutoModelForCausalLM.from_pretrained(tmp_path / "saved"))

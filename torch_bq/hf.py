@@ -59,14 +59,14 @@ from .nn.checkpoint import CheckpointError, CheckpointReader, build_module, dete
 from .nn.convert import DEFAULT_EXCLUDE, _experts_layout, _quantized_layout, _set_submodule, _tied_groups
 from .nn.expert_checkpoint import load_experts
 from .nn.experts import FP4Experts, FP8Experts, _Experts, experts_spec
-from .nn.linear import BF16Linear, FP4Linear, FP8Linear
+from .nn.linear import BF16Linear, FP4Linear, FP8Linear, NVFP4Linear
 
 __all__ = ["QUANT_METHOD", "TorchBQConfig", "TorchBQQuantizer", "model_from_config"]
 
 QUANT_METHOD = "torch_bq"
 
 _SCALE_DTYPES = {"float8_e8m0fnu": torch.float8_e8m0fnu, "float32": torch.float32}
-_FORMATS = ("fp8", "fp4")
+_FORMATS = ("fp8", "fp4", "nvfp4")  # nvfp4: ModelOpt checkpoints only (loaded, not produced)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -126,7 +126,7 @@ class TorchBQConfig(QuantizationConfigMixin):
             raise ValueError(f"version: this torch_bq reads quantization_config versions <= {RECORD_VERSION}, got {version!r}")
         self.version = RECORD_VERSION
         if format is not None and format not in _FORMATS:
-            raise ValueError(f"format: expected None, 'fp8' or 'fp4', got {format!r}")
+            raise ValueError(f"format: expected None, 'fp8', 'fp4' or 'nvfp4' (ModelOpt checkpoints), got {format!r}")
         if isinstance(scale_dtype, torch.dtype):
             scale_dtype = _dtype_name(scale_dtype)
         if scale_dtype is not None and scale_dtype not in _SCALE_DTYPES:
@@ -214,6 +214,10 @@ AutoHfQuantizer.merge_quantization_configs = classmethod(_merge_quantization_con
 # =========================================================================== #
 
 
+_LINEAR_FORMATS = {FP8Linear: "fp8", FP4Linear: "fp4", NVFP4Linear: "nvfp4"}
+_QUANTIZED_LINEARS = tuple(_LINEAR_FORMATS)
+
+
 class _Op(ConversionOps):
     """An op bound to the quantizer whose plan it follows.
 
@@ -278,7 +282,7 @@ class _LoadLinear(_Op):
         prefix = full_layer_name.removesuffix(".weight")
         module = model.get_submodule(prefix)
         tensors = {prefix + pattern.replace("\\", ""): _first(v) for pattern, v in input_dict.items()}
-        if not isinstance(module, (FP8Linear, FP4Linear)):
+        if not isinstance(module, _QUANTIZED_LINEARS):
             if len(tensors) != 1 or f"{prefix}.weight" not in tensors:
                 raise CheckpointError(
                     f"{prefix}: the checkpoint holds {sorted(tensors)} but the model's {type(module).__name__} "
@@ -298,18 +302,18 @@ class _LoadLinear(_Op):
             return {f"{prefix}.weight": weight}
         quantizer = self.hf_quantizer
         with CheckpointReader(tensors) as reader:
-            fmt = "fp8" if isinstance(module, FP8Linear) else "fp4"
+            fmt = _LINEAR_FORMATS[type(module)]
             layout = detect_linear(reader, prefix, format=fmt, block=module.block if fmt == "fp8" else None,
-                                   in_features=module.in_features if fmt == "fp4" else None)
+                                   in_features=module.in_features if fmt != "fp8" else None)
             weights = read_linear(reader, layout)
         built = build_module(weights, **quantizer.quantization_config.runtime_options())
-        for name in ("weight", "weight_scale"):
+        for name in module._stored:
             # transformers hands over views of its mmap of the file; a torch_bq module owns
             # its bytes (an edit or truncation of the file must not reach a loaded model).
             setattr(module, name, _owned(getattr(built, name)))
         module.act_quant, module.act_peak = built.act_quant, built.act_peak
         _mark_initialized(module)
-        for key in ("weight", "weight_scale", "_extra_state"):  # _extra_state: the block, set with the module
+        for key in (*module._stored, "_extra_state"):  # _extra_state: the block, set with the module
             if missing_keys is not None:
                 missing_keys.discard(f"{prefix}.{key}")
         quantizer._filled.add(prefix)
@@ -550,12 +554,17 @@ class TorchBQQuantizer(HfQuantizer):
             if self.quantization_config.excludes(name) or f"{name}.weight" in tied:
                 return None
             fmt = self.quantization_config.format
+            if fmt == "nvfp4":
+                raise ValueError("TorchBQConfig(format='nvfp4') loads ModelOpt NVFP4 checkpoints; it does not quantize "
+                                 "a float checkpoint (use 'fp8' or 'fp4')")
             opts = self.quantization_config.module_options(fmt)
             block, scale_dtype = opts.get("block"), opts.get("scale_dtype")
             self._plan[name] = {"kind": "linear", "format": fmt, "layout": "quantized on load"}
         if fmt == "fp8":
             return FP8Linear(module.in_features, module.out_features, bias, block=block, scale_dtype=scale_dtype,
                              device="meta", dtype=dtype, **runtime)
+        if fmt == "nvfp4":
+            return NVFP4Linear(module.in_features, module.out_features, bias, device="meta", dtype=dtype, **runtime)
         return FP4Linear(module.in_features, module.out_features, bias, device="meta", dtype=dtype, **runtime)
 
     def _plan_experts(self, name, spec, reader, float_dtype, runtime):
@@ -639,6 +648,9 @@ class TorchBQQuantizer(HfQuantizer):
         # quantized bytes that arrive without a scale instead of letting them load as values.
         linear_layouts = {p["layout"] for p in self._plan.values() if p["kind"] == "linear"}
         sources = [r"\.weight", r"\.weight_scale_inv", r"\.weight_scale"]
+        if "modelopt" in linear_layouts or any(p["format"] == "nvfp4" for p in self._plan.values()):
+            # ModelOpt: the per-tensor scale, and a static activation scale that is checked and ignored
+            sources += [r"\.weight_scale_2", r"\.input_scale"]
         if "deepseek-v3.1" in linear_layouts:
             sources.append(r"\.scale")
         ours.append(WeightConverter(sources, r"\.weight", [_LoadLinear(self)]))
@@ -706,6 +718,8 @@ def _layer_record(module: nn.Module) -> Optional[dict]:
         return {"format": "fp8", "block": list(module.block), "scale_dtype": _dtype_name(module.weight_scale.dtype)}
     if isinstance(module, FP4Linear):
         return {"format": "fp4", "block": [1, 32], "scale_dtype": "float8_e8m0fnu"}
+    if isinstance(module, NVFP4Linear):
+        return {"format": "nvfp4", "block": [1, 16], "scale_dtype": "float8_e4m3fn"}
     if isinstance(module, FP8Experts):
         return {"format": "fp8", "block": list(module.block), "scale_dtype": _dtype_name(module.scale_dtype),
                 "experts": module.num_experts, "activation": module.activation}
