@@ -207,7 +207,7 @@ def test_buffers_not_parameters():
 
 def test_constructor_errors():
     with pytest.raises(ValueError, match="in_features"):
-        FP8Linear(0, 4)
+        FP8Linear(-1, 4)  # 0 is allowed, as for nn.Linear
     with pytest.raises(TypeError, match="scale_dtype"):
         FP8Linear(32, 4, scale_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="act_peak"):
@@ -270,10 +270,12 @@ def test_from_quantized_shape_and_dtype_errors():
     [
         FP8Linear.from_linear(_linear(100, 36)),
         FP8Linear.from_linear(_linear(100, 36), block=(128, 128), scale_dtype=torch.float32),
+        FP8Linear.from_linear(_linear(100, 130), block=(96, 96)),
+        FP8Linear.from_linear(_linear(100, 130), block=(48, 32), scale_dtype=torch.float32),
         FP4Linear.from_linear(_linear(101, 36)),
         BF16Linear.from_linear(_linear(100, 36)),
     ],
-    ids=["fp8", "fp8-f32", "fp4", "bf16"],
+    ids=["fp8", "fp8-f32", "fp8-96x96", "fp8-48x32-f32", "fp4", "bf16"],
 )
 def test_state_dict_round_trip_through_safetensors_is_exact(module, tmp_path):
     save_file(module.state_dict(), tmp_path / "m.safetensors")

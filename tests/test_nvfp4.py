@@ -331,5 +331,25 @@ def test_module_compiles_fullgraph():
 def test_exact_codes_and_dtype():
     assert formats.NVFP4.exact_codes is None and formats.NVFP4.exact_dtype == torch.float32
     assert formats.FP8.exact_codes == (3, 246) and formats.FP4.exact_codes == (0, 252)
-    # the bf16 range edges the codes stand for (SPEC: e4m3 subnormal x 2**-127 underflows)
+    # the bf16 range edges the codes stand for (contract §1: e4m3 subnormal x 2**-127 underflows)
     assert math.ldexp(1, 3 - 127 - 9) == 2.0**-133
+
+
+def test_tensor_parallel_shards_of_an_nvfp4_layer_decode_exactly():
+    # Shards cut anywhere (not on 16-column groups, odd widths): each decodes to exactly its part
+    # of the full weight; the per-tensor scale is shared, so row pieces join by concatenation.
+    from torch_bq.distributed.sharding import column_shard, row_shard
+
+    m = NVFP4Linear.from_linear(_linear(71, 45), act_quant=True)
+    full = m.dequantize().weight.detach()
+    for ranges in ([(0, 20)], [(7, 30)], [(0, 5), (30, 45)]):
+        shard = column_shard(m, ranges)
+        assert isinstance(shard, NVFP4Linear) and shard.act_quant
+        expected = torch.cat([full[a:b] for a, b in ranges])
+        assert bits_equal(shard.dequantize().weight.detach(), expected)
+        assert torch.equal(shard.bias, torch.cat([m.bias[a:b] for a, b in ranges]))
+    for k0, k1 in ((0, 16), (5, 37), (33, 71)):
+        rs = row_shard(m, k0, k1)
+        w = rs.module.dequantize().weight.detach()
+        assert w.shape == (45, rs.lead + k1 - k0) and rs.lead == k0 % 16
+        assert not bool(w[:, : rs.lead].any()) and bits_equal(w[:, rs.lead:].contiguous(), full[:, k0:k1].contiguous())

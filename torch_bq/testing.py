@@ -197,7 +197,7 @@ def linear_error_bound(
     Returns:
         ``(y, bound)``, both float64 ``[M, N]``.
     """
-    a64 = a.to(torch.float64).reshape(-1, a.shape[-1])
+    a64 = a.to(torch.float64).reshape(a.shape[:-1].numel(), a.shape[-1])  # not -1: K may be 0
     w64 = w.to(torch.float64)
     y = a64 @ w64.T
     magnitude = a64.abs() @ w64.abs().T

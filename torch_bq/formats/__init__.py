@@ -32,6 +32,7 @@ from .codecs import (
     FP4_LUT,
     FP4_MAX,
     FP8_MAX,
+    MIN_ACT_PEAK,
     QDQ_BLOCK,
     _check_block,  # noqa: F401  (the old private name, kept until every caller uses check_block)
     as_e8m0_codes,
@@ -65,6 +66,7 @@ from .descriptor import (
     FP4,
     FP8,
     FP32W,
+    MAX_BLOCK,
     MXFP8,
     NVFP4,
     CheckpointSuffixes,
@@ -83,6 +85,8 @@ from .rows import RowPiece, fine_scale, join_rows, slice_rows
 __all__ = [
     # constants
     "FP8_MAX",
+    "MIN_ACT_PEAK",
+    "MAX_BLOCK",
     "FP4_MAX",
     "FP4_LUT",
     "E8M0_NAN",

@@ -16,14 +16,16 @@ included, despite its name).
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Sequence
 
 import torch
 
-from .descriptor import E2M1, E4M3FN, E8M0, FP4, FP8, F32_SCALE, cdiv, check_block, dtype_error, get_format
+from .descriptor import E2M1, E4M3FN, E8M0, FP4, FP8, check_block, dtype_error, get_format
 
 __all__ = [
     "FP8_MAX",
+    "MIN_ACT_PEAK",
     "FP4_MAX",
     "FP4_LUT",
     "E8M0_NAN",
@@ -66,37 +68,30 @@ FP4_LUT = torch.tensor(
 # Midpoints between consecutive e2m1 magnitudes; a tie goes to the even code.
 _FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
-_E8M0_DTYPES = E8M0.storage
-_FP8_DTYPES = E4M3FN.storage
-_FP4_DTYPES = E2M1.storage
-
 
 # --------------------------------------------------------------------------- #
 # storage views
 # --------------------------------------------------------------------------- #
 
 
-_dtype_error = dtype_error
-
-
 def as_e8m0_codes(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
     """View e8m0 scales (``uint8`` or ``float8_e8m0fnu``) as their ``uint8`` codes."""
-    if scale.dtype not in _E8M0_DTYPES:
-        raise _dtype_error(name, scale, _E8M0_DTYPES)
+    if scale.dtype not in E8M0.storage:
+        raise dtype_error(name, scale, E8M0.storage)
     return scale.view(torch.uint8)
 
 
 def as_fp8_bytes(data: torch.Tensor, name: str = "weight") -> torch.Tensor:
     """View fp8 data (``float8_e4m3fn`` or ``uint8``) as ``uint8`` bytes."""
-    if data.dtype not in _FP8_DTYPES:
-        raise _dtype_error(name, data, _FP8_DTYPES)
+    if data.dtype not in E4M3FN.storage:
+        raise dtype_error(name, data, E4M3FN.storage)
     return data.view(torch.uint8)
 
 
 def as_fp4_bytes(packed: torch.Tensor, name: str = "weight") -> torch.Tensor:
     """View packed fp4 (``uint8``, ``int8`` or ``float4_e2m1fn_x2``) as ``uint8`` bytes."""
-    if packed.dtype not in _FP4_DTYPES:
-        raise _dtype_error(name, packed, _FP4_DTYPES)
+    if packed.dtype not in E2M1.storage:
+        raise dtype_error(name, packed, E2M1.storage)
     return packed.view(torch.uint8)
 
 
@@ -115,9 +110,9 @@ def _scale_values(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
     """Scales as float32 multipliers: e8m0 codes are decoded, float32 passes through."""
     if scale.dtype == torch.float32:
         return scale
-    if scale.dtype in _E8M0_DTYPES:
+    if scale.dtype in E8M0.storage:
         return decode_e8m0(scale)
-    raise _dtype_error(name, scale, (*_E8M0_DTYPES, torch.float32))
+    raise dtype_error(name, scale, (*E8M0.storage, torch.float32))
 
 
 def expand_blocks(scale: torch.Tensor, block: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
@@ -399,15 +394,27 @@ def check_fp4_weight(
     FP4.check(packed, scale, in_features=in_features, name=name)
 
 
+#: The smallest qdq peak: with ``peak >= 4`` every finite bf16 block (amax below 2**128)
+#: gets a scale ``s <= 2**126`` whose reciprocal, which qdq multiplies by, is a normal
+#: float32 (and an e8m0 code). A smaller peak turns large activations into zeros or
+#: NaN, and a tiny one (1e-30) flushes every ``q`` below e4m3's smallest subnormal.
+MIN_ACT_PEAK = 4.0
+
+
 def check_peak(peak: float, name: str = "act_peak") -> None:
-    """Raise ``ValueError`` unless ``0 < peak <= 448`` (the qdq peak of docs/contract.md §3)."""
-    if not 0.0 < peak <= FP8_MAX:
-        short = name.rsplit(".", 1)[-1]
-        raise ValueError(f"{name}: expected 0 < {short} <= {FP8_MAX}, got {peak}")
+    """Raise unless ``4 <= peak <= 448`` (the qdq peak of docs/contract.md §3; see :data:`MIN_ACT_PEAK`)."""
+    short = name.rsplit(".", 1)[-1]
+    if isinstance(peak, bool) or not isinstance(peak, numbers.Real):
+        raise TypeError(f"{name}: expected a float, got {type(peak).__name__}")
+    if not MIN_ACT_PEAK <= peak <= FP8_MAX:
+        raise ValueError(
+            f"{name}: expected {MIN_ACT_PEAK:g} <= {short} <= {FP8_MAX:g} (smaller peaks push the block "
+            f"scales out of float32/e8m0 range), got {peak}"
+        )
 
 
 def check_qdq_args(x: torch.Tensor, peak: float) -> None:
-    """Raise on a non-float or 0-d ``x`` or a peak outside ``(0, 448]`` (``qdq_fp8``'s arguments)."""
+    """Raise on a non-float or 0-d ``x`` or a peak outside ``[4, 448]`` (``qdq_fp8``'s arguments)."""
     if not x.dtype.is_floating_point:
         raise TypeError(f"x: expected a floating-point dtype, got {x.dtype}")
     check_peak(peak, "peak")

@@ -31,6 +31,7 @@ import torch
 
 __all__ = [
     "cdiv",
+    "MAX_BLOCK",
     "check_block",
     "ElementEncoding",
     "ScaleEncoding",
@@ -62,8 +63,13 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+#: The largest block length: the ops pass blocks as int64 and the kernels compute
+#: ``n + bn - 1`` in 64 bits, so lengths stay far below 2**63 (which was a schema error).
+MAX_BLOCK = 2**31 - 1
+
+
 def check_block(block: Sequence[int], name: str = "block") -> tuple[int, int]:
-    """``block`` as ``(bn, bk)`` of positive ints, or ``ValueError``/``TypeError`` naming ``name``."""
+    """``block`` as ``(bn, bk)`` of ints in ``[1, MAX_BLOCK]``, or ``ValueError``/``TypeError`` naming ``name``."""
     try:
         parts = tuple(block)
     except TypeError:
@@ -80,6 +86,8 @@ def check_block(block: Sequence[int], name: str = "block") -> tuple[int, int]:
             raise TypeError(f"{name}: expected two positive ints (bn, bk), got {parts}")
         if v < 1:
             raise ValueError(f"{name}: expected two positive ints (bn, bk), got {parts}")
+        if v > MAX_BLOCK:
+            raise ValueError(f"{name}: expected two positive ints (bn, bk) of at most {MAX_BLOCK}, got {parts}")
         out.append(v)
     return out[0], out[1]
 

@@ -134,7 +134,11 @@ def join_rows(
     cols = {p.data.shape[1:] for p in pieces}
     if len(cols) != 1:
         raise ValueError(f"{name}: the pieces have different column shapes {[list(p.data.shape[1:]) for p in pieces]}")
-    data = pieces[0].data if len(pieces) == 1 else torch.cat([p.data for p in pieces], dim=0)
+    for i, p in enumerate(pieces):
+        fmt.check_data_dtype(p.data, f"{name} (piece {i})")
+    # byte-equivalent storage dtypes (uint8 next to float8_e4m3fn) concatenate as the stored one
+    datas = [p.data.view(fmt.element.dtype) for p in pieces]
+    data = datas[0] if len(datas) == 1 else torch.cat(datas, dim=0)
     if not fmt.quantized:
         return RowPiece(data, None, None)
     blocks = [check_block(p.block if p.block is not None else fmt.default_block, f"{name}: block") for p in pieces]

@@ -39,7 +39,13 @@ _RENAME_EXCHANGE = 2  # linux/fs.h
 
 
 def fsync_path(path: Path) -> None:
-    """Flush ``path`` (a file or a directory) to stable storage."""
+    """Flush ``path`` (a file or a directory) to stable storage.
+
+    Directories cannot be opened for fsync on Windows (NTFS journals renames), so
+    they are skipped there.
+    """
+    if os.name == "nt" and path.is_dir():
+        return
     flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if path.is_dir() else 0)
     fd = os.open(path, flags)
     try:

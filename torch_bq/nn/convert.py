@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -597,7 +596,7 @@ def _check_destination(reader: CheckpointReader, dst: Path, overwrite: bool) -> 
     subdirectory, which no source file can be.
     """
     if os.path.lexists(dst) and not dst.is_dir():
-        raise NotADirectoryError(errno.ENOTDIR, "dst: exists and is not a directory", str(dst))
+        raise NotADirectoryError(f"dst: {dst} exists and is not a directory")
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise FileExistsError(f"dst: {dst} exists and is not empty; pass overwrite=True to replace it")
     real_dst = dst.resolve()
@@ -709,10 +708,23 @@ def _record_config(path: Path, qc: dict) -> None:
 
 
 def _save_shard(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """Write one output shard (the one place convert writes tensor data)."""
+    """Write one output shard (the one place convert writes tensor data).
+
+    safetensors reports a failed write (disk full, file too large) as a
+    ``SafetensorError`` carrying the OS error number; it is raised here as the
+    ``OSError`` it is, so callers can tell an I/O failure from a bad tensor.
+    """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    save_file(tensors, path, metadata=metadata)
+    try:
+        save_file(tensors, path, metadata=metadata)
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        err = int(code.group(1))
+        raise OSError(err, os.strerror(err), str(path)) from e
 
 
 def convert_checkpoint(
@@ -782,6 +794,8 @@ def convert_checkpoint(
     out_scale_dtype = scale_dtype if format == "fp8" else formats.get_format(format).scales[0].dtype
     include_re, exclude_re = _compile_regex(include, "include"), _compile_regex(exclude or None, "exclude")
     dst = Path(dst)
+    if dst.is_symlink() and dst.is_dir():
+        dst = dst.resolve()  # replace the directory it names, keeping the link (renaming onto a link replaces the link)
     summary = {"quantized": [], "copied": [], "bytes_in": 0, "bytes_out": 0, "files": []}
     with open_checkpoint(src) as reader:
         _check_destination(reader, dst, overwrite)

@@ -70,12 +70,13 @@ _OP_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _op_out_dtype(x: torch.Tensor) -> torch.dtype:
+def op_out_dtype(x: torch.Tensor) -> torch.dtype:
     """The op's ``out_dtype`` for input ``x``: the input dtype where the op can emit it."""
     return x.dtype if x.dtype in _OP_OUT_DTYPES else torch.float32
 
 
-def _finish(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def finish_output(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The op's output ``y`` in the input's dtype (a module's output follows its input)."""
     # float64 inputs (gradcheck, numerics tests) come back as float64; the op
     # itself computes in float32 and rounds once, so this cast adds nothing.
     return y if y.dtype == x.dtype else y.to(x.dtype)
@@ -83,8 +84,9 @@ def _finish(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _check_features(in_features: int, out_features: int) -> None:
     for name, value in (("in_features", in_features), ("out_features", out_features)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        # 0 is allowed, as for nn.Linear: K = 0 gives the bias (or zeros), N = 0 an empty output
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
 
 
 def _bias_buffer(bias: bool, out_features: int, device, dtype) -> Optional[torch.Tensor]:
@@ -327,9 +329,9 @@ class FP8Linear(_RecordsBlock, _QuantizedLinear):
             block=self.block,
             act_quant=self.act_quant,
             act_peak=self.act_peak,
-            out_dtype=_op_out_dtype(x),
+            out_dtype=op_out_dtype(x),
         )
-        return _finish(y, x)
+        return finish_output(y, x)
 
     def extra_repr(self) -> str:
         spec = self.format.describe(self.block, self.format.scale_encoding(self.weight_scale))
@@ -514,9 +516,9 @@ class FP4Linear(_QuantizedLinear):
             self.bias,
             act_quant=self.act_quant,
             act_peak=self.act_peak,
-            out_dtype=_op_out_dtype(x),
+            out_dtype=op_out_dtype(x),
         )
-        return _finish(y, x)
+        return finish_output(y, x)
 
     def extra_repr(self) -> str:
         return (
@@ -696,9 +698,9 @@ class NVFP4Linear(_QuantizedLinear):
             self.bias,
             act_quant=self.act_quant,
             act_peak=self.act_peak,
-            out_dtype=_op_out_dtype(x),
+            out_dtype=op_out_dtype(x),
         )
-        return _finish(y, x)
+        return finish_output(y, x)
 
     def extra_repr(self) -> str:
         return (
@@ -857,7 +859,7 @@ class BF16Linear(_QuantizedLinear):
                  dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         _check_features(in_features, out_features)
-        if dtype not in (torch.bfloat16, torch.float32):
+        if dtype not in _DENSE_FORMATS:
             raise TypeError(f"dtype: expected torch.bfloat16 or torch.float32, got {dtype}")
         self.in_features = in_features
         self.out_features = out_features
@@ -866,17 +868,24 @@ class BF16Linear(_QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = ops.fp32w_linear if self.weight.dtype == torch.float32 else ops.bf16_linear
-        return _finish(op(x, self.weight, self.bias, out_dtype=_op_out_dtype(x)), x)
+        return finish_output(op(x, self.weight, self.bias, out_dtype=op_out_dtype(x)), x)
 
     def extra_repr(self) -> str:
-        fmt = "fp32w" if self.weight.dtype == torch.float32 else "bf16"
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self._bias_repr()}, format={fmt}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, {self._bias_repr()}, "
+            f"{self.format.describe()}"
+        )
+
+    @property
+    def format(self) -> formats.WeightFormat:
+        """``formats.FP32W`` for a float32 weight, else ``formats.BF16``."""
+        return _DENSE_FORMATS[self.weight.dtype]
 
     @classmethod
     def from_quantized(cls, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                        name: str = "weight") -> "BF16Linear":
         """Wrap a ``bfloat16`` or ``float32`` ``[N, K]`` weight (no copy)."""
-        if weight.dtype not in (torch.bfloat16, torch.float32):
+        if weight.dtype not in _DENSE_FORMATS:
             raise TypeError(f"{name}: expected dtype torch.bfloat16 or torch.float32, got {weight.dtype}")
         if weight.dim() != 2:
             raise ValueError(f"{name}: expected a 2-D [N, K] tensor, got shape {list(weight.shape)}")
@@ -922,8 +931,12 @@ class BF16Linear(_QuantizedLinear):
 
     def _validate_loaded(self, incoming, assign):
         weight = incoming.get("weight")
-        if weight is not None and weight.dtype not in (torch.bfloat16, torch.float32):
+        if weight is not None and weight.dtype not in _DENSE_FORMATS:
             raise TypeError(f"weight: expected dtype torch.bfloat16 or torch.float32, got {weight.dtype}")
+
+
+#: the dense formats by the weight's storage dtype
+_DENSE_FORMATS = {f.element.dtype: f for f in (formats.BF16, formats.FP32W)}
 
 
 def _unit_scale(shape, dtype: torch.dtype, device) -> torch.Tensor:

@@ -45,7 +45,7 @@ def linear_grad_input(
 ) -> torch.Tensor:
     """``grad [..., N] @ W [N, K] -> [..., K]`` of ``x_dtype``, ``W[n0:n1]`` from ``decode(n0, n1)``."""
     acc_dtype = torch.float64 if torch.float64 in (grad.dtype, x_dtype) else torch.float32
-    g = grad.reshape(-1, n).to(acc_dtype)
+    g = grad.reshape(grad.shape[:-1].numel(), n).to(acc_dtype)
     out = torch.zeros(g.shape[0], k, dtype=acc_dtype, device=grad.device)
     for n0 in range(0, n, slab_rows):
         n1 = min(n, n0 + slab_rows)
@@ -56,7 +56,7 @@ def linear_grad_input(
 def _bias_grad(ctx, grad: torch.Tensor, bias_index: int):
     if not ctx.needs_input_grad[bias_index]:
         return None
-    return grad.reshape(-1, grad.shape[-1]).to(torch.float32).sum(0).to(ctx.bias_dtype)
+    return grad.reshape(grad.shape[:-1].numel(), grad.shape[-1]).to(torch.float32).sum(0).to(ctx.bias_dtype)
 
 
 def _save_common(ctx, x, bias) -> None:
@@ -86,11 +86,12 @@ def fp8_linear_grad_input(
     def decode(n0: int, n1: int) -> torch.Tensor:
         return ref.decode_fp8_rows(weight, scale, block, n0, n1)
 
-    return linear_grad_input(grad, n, k, ref._slab_rows(k, block[0]), decode, x_dtype)
+    return linear_grad_input(grad, n, k, ref.slab_rows(k, block[0]), decode, x_dtype)
 
 
 @fp8_linear_grad_input.register_fake
 def _(grad, weight, scale, block, x_dtype):
+    ref.check_devices(grad=grad, weight=weight, weight_scale=scale)
     return _grad_out_like(grad, weight.shape[1], x_dtype)
 
 
@@ -104,11 +105,12 @@ def fp4_linear_grad_input(
     def decode(n0: int, n1: int) -> torch.Tensor:
         return ref.decode_fp4_rows(weight, scale, k, n0, n1)
 
-    return linear_grad_input(grad, n, k, ref._slab_rows(k, 1), decode, x_dtype)
+    return linear_grad_input(grad, n, k, ref.slab_rows(k, 1), decode, x_dtype)
 
 
 @fp4_linear_grad_input.register_fake
 def _(grad, weight, scale, in_features, x_dtype):
+    ref.check_devices(grad=grad, weight=weight, weight_scale=scale)
     return _grad_out_like(grad, in_features, x_dtype)
 
 
@@ -127,11 +129,12 @@ def nvfp4_linear_grad_input(
     def decode(n0: int, n1: int) -> torch.Tensor:
         return ref.decode_nvfp4_rows(weight, weight_scale, weight_scale_2, k, n0, n1)
 
-    return linear_grad_input(grad, n, k, ref._slab_rows(k, 1), decode, x_dtype)
+    return linear_grad_input(grad, n, k, ref.slab_rows(k, 1), decode, x_dtype)
 
 
 @nvfp4_linear_grad_input.register_fake
 def _(grad, weight, weight_scale, weight_scale_2, in_features, x_dtype):
+    ref.check_devices(grad=grad, weight=weight, weight_scale=weight_scale, weight_scale_2=weight_scale_2)
     return _grad_out_like(grad, in_features, x_dtype)
 
 
@@ -144,11 +147,12 @@ def dense_linear_grad_input(grad: torch.Tensor, weight: torch.Tensor, x_dtype: t
         # fp32w narrows its weight to bf16 in the forward, so the backward does too.
         return ref.decode_dense_rows(weight, n0, n1)
 
-    return linear_grad_input(grad, n, k, ref._slab_rows(k, 1), decode, x_dtype)
+    return linear_grad_input(grad, n, k, ref.slab_rows(k, 1), decode, x_dtype)
 
 
 @dense_linear_grad_input.register_fake
 def _(grad, weight, x_dtype):
+    ref.check_devices(grad=grad, weight=weight)
     return _grad_out_like(grad, weight.shape[1], x_dtype)
 
 
