@@ -134,7 +134,8 @@ def _hf_checkpoint(family: str, layout: str):
         pytest.importorskip("transformers")
         import hf_fixtures as hfx
 
-        writers = {"bf16": hfx.save_bf16, "fp8": hfx.deepseek_fp8, "mxfp4": hfx.gpt_oss_mxfp4}
+        writers = {"bf16": hfx.save_bf16, "fp8": hfx.deepseek_fp8, "mxfp4": hfx.gpt_oss_mxfp4,
+                   "nvfp4": hfx.modelopt_nvfp4}
         writers[layout](hfx.float_model(family), root)
 
     return write
@@ -149,6 +150,7 @@ FIXTURES = {
     "path/to/gpt-oss": _hf_checkpoint("gpt_oss", "mxfp4"),
     "path/to/Qwen3-FP8": _hf_checkpoint("qwen3", "fp8"),
     "path/to/Llama": _hf_checkpoint("llama", "bf16"),
+    "path/to/Llama-NVFP4": _hf_checkpoint("llama", "nvfp4"),
 }
 
 
