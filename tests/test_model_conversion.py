@@ -215,3 +215,15 @@ def test_empty_model_then_load_quantized_runs(tmp_path):
     load_quantized_(skeleton, tmp_path / "m.safetensors")
     x = torch.randn(3, 8)
     assert torch.equal(skeleton(x), model(x))
+
+
+def test_progress_lines_when_asked(tmp_path, capsys):
+    model = Tied()
+    quantize_(model, "fp8", progress=True)
+    assert "quantize_ [1/1] proj" in capsys.readouterr().err
+    save_file({k: v for k, v in Tied().state_dict().items() if k != "lm_head.weight"}, tmp_path / "m.safetensors")
+    convert_checkpoint(tmp_path / "m.safetensors", tmp_path / "q", "fp8", progress=None)
+    load_quantized_(empty_model(Tied), tmp_path / "q", progress=True)
+    assert "load_quantized_ [1/1] proj" in capsys.readouterr().err
+    quantize_(Tied(), "fp8")  # default: only on a terminal, for long work
+    assert capsys.readouterr().err == ""
