@@ -56,9 +56,9 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from . import formats
 from .nn.checkpoint import CheckpointError, CheckpointReader, build_module, detect_linear, read_linear
-from .nn.convert import DEFAULT_EXCLUDE, _experts_layout, _quantized_layout, _set_submodule, _tied_groups
+from .nn.convert import DEFAULT_EXCLUDE, experts_layout, quantized_layout, set_submodule, tied_groups
 from .nn.expert_checkpoint import load_experts
-from .nn.experts import FP4Experts, FP8Experts, _Experts, experts_spec
+from .nn.experts import FP4Experts, FP8Experts, QuantizedExperts, experts_spec
 from .nn.linear import BF16Linear, FP4Linear, FP8Linear, NVFP4Linear
 
 __all__ = ["QUANT_METHOD", "TorchBQConfig", "TorchBQQuantizer", "model_from_config"]
@@ -328,7 +328,7 @@ class _LoadExperts(_Op):
         quantizer = self.hf_quantizer
         plan = quantizer._plan.get(prefix)
         skeleton = model.get_submodule(prefix)
-        if plan is None or not isinstance(skeleton, _Experts):
+        if plan is None or not isinstance(skeleton, QuantizedExperts):
             raise CheckpointError(f"{prefix}: the checkpoint holds quantized experts the model did not plan for")
         layout, options = plan["layout"], dict(plan["options"])
         tensors: dict[str, torch.Tensor] = {}
@@ -359,7 +359,7 @@ class _LoadExperts(_Op):
             if t is not None:
                 built._buffers[name] = _owned(t)  # see _LoadLinear
         _mark_initialized(built)
-        _set_submodule(model, prefix, built)
+        set_submodule(model, prefix, built)
         _discard(missing_keys, built, prefix)
         quantizer._filled.add(prefix)
         return {}
@@ -374,7 +374,7 @@ class _Quantize(_Op):
         prefix, _, leaf = key.rpartition(".")
         module = model.get_submodule(prefix)
         config = self.hf_quantizer.quantization_config
-        if isinstance(module, _Experts):
+        if isinstance(module, QuantizedExperts):
             plan = self.hf_quantizer._plan[prefix]
             if plan["transposed"]:
                 weight = weight.transpose(1, 2)
@@ -416,7 +416,7 @@ class _Quantize(_Op):
             if missing_keys is not None:
                 missing_keys.discard(f"{prefix}.{name}")
         self.hf_quantizer._quantized_parts.setdefault(prefix, set()).update(names)
-        if isinstance(module, _Experts):
+        if isinstance(module, QuantizedExperts):
             if {"gate_up_proj", "down_proj"} <= self.hf_quantizer._quantized_parts[prefix]:
                 self.hf_quantizer._filled.add(prefix)
         else:
@@ -476,7 +476,7 @@ class TorchBQQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         runtime = self.quantization_config.runtime_options()
         float_dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.bfloat16)
-        tied = {n for group in _tied_groups(model) for n in group}
+        tied = {n for group in tied_groups(model) for n in group}
         # transformers builds the skeleton under `with torch.device("meta")`; the checkpoint
         # reader's own buffers (headers, records) must still be real.
         with torch.device("cpu"):
@@ -517,7 +517,7 @@ class TorchBQQuantizer(HfQuantizer):
                 if new is not None:
                     swaps.append((name, new))
             for name, new in swaps:
-                _set_submodule(model, name, new)
+                set_submodule(model, name, new)
         finally:
             if reader is not None:
                 reader.close()
@@ -534,10 +534,10 @@ class TorchBQQuantizer(HfQuantizer):
         layer = self.quantization_config.layers.get(name, {})
         if reader is not None:
             block = layer.get("block")
-            if block is not None and _quantized_layout(reader, name) is not None:
+            if block is not None and quantized_layout(reader, name) is not None:
                 layout = detect_linear(reader, name, block=block)
             else:
-                layout = _quantized_layout(reader, name)
+                layout = quantized_layout(reader, name)
             if layout is None:
                 return None
             self._check_format(name, layout.format)
@@ -571,7 +571,7 @@ class TorchBQQuantizer(HfQuantizer):
         sizes = (spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.bias, spec.activation)
         layer = self.quantization_config.layers.get(name, {})
         if reader is not None:
-            found = _experts_layout(reader, name)
+            found = experts_layout(reader, name)
             if found is None:
                 return None
             layout, fmt, options = found

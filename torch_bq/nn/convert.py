@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .. import formats
+from ..checkpoint.layouts import SCALE_SUFFIXES
 from ._staging import StagedDirectory
 from ..checkpoint import (
     INDEX_NAME,
@@ -64,7 +65,8 @@ def _state_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in held)
 
 
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Replace the submodule at dotted ``name`` of ``model`` by ``module``."""
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, module)
@@ -75,7 +77,7 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 # =========================================================================== #
 
 
-def _tied_groups(model: nn.Module) -> list[list[str]]:
+def tied_groups(model: nn.Module) -> list[list[str]]:
     """Names of parameters/buffers that are one tensor under several names (tied embeddings), per tensor."""
     groups: dict[int, list[str]] = {}
     for name, t in model.named_parameters(remove_duplicate=False):
@@ -213,7 +215,7 @@ def quantize_(
     if format in ("bf16", "fp32w"):
         options.setdefault("keep_fp32", format == "fp32w")
     exclude_re = _compile_regex(exclude, "exclude")
-    tied = {name for group in _tied_groups(model) for name in group}
+    tied = {name for group in tied_groups(model) for name in group}
     report = QuantizeReport(format)
     candidates: list[tuple[str, nn.Module, object]] = []
     for name, module in model.named_modules():
@@ -253,7 +255,7 @@ def quantize_(
         bar.step(name)
     before = _unique_bytes([t for _, m, _ in candidates for t in (*m.parameters(), *m.buffers())])
     for name, new, is_experts in replacements:
-        _set_submodule(model, name, new)
+        set_submodule(model, name, new)
         report.converted.append(name)
         if is_experts:
             report.experts.append(name)
@@ -314,7 +316,7 @@ def _refuse_while_unfilled(module: nn.Module, name: str) -> None:
     handle = module.register_forward_pre_hook(hook)
 
 
-def _experts_layout(reader: CheckpointReader, prefix: str):
+def experts_layout(reader: CheckpointReader, prefix: str):
     """``(layout, format, options)`` of the experts stored under ``prefix``, or ``None`` if not quantized experts."""
     from .expert_checkpoint import stacked_experts_format
 
@@ -325,7 +327,7 @@ def _experts_layout(reader: CheckpointReader, prefix: str):
         return "torch_bq", fmt, {}
     for projections in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
         gate = f"{prefix}.0.{projections[0]}"
-        layout = _quantized_layout(reader, gate)
+        layout = quantized_layout(reader, gate)
         if layout is not None:
             return "deepseek", layout.format, {"projections": projections}
     return None
@@ -334,11 +336,11 @@ def _experts_layout(reader: CheckpointReader, prefix: str):
 def _load_experts_module(reader: CheckpointReader, name: str, module: nn.Module, spec, found, device,
                          act_quant, act_peak) -> nn.Module:
     from .expert_checkpoint import load_experts
-    from .experts import FP4Experts, FP8Experts, _Experts
+    from .experts import FP4Experts, FP8Experts, QuantizedExperts
 
     layout, fmt, options = found
     cls = FP8Experts if fmt == "fp8" else FP4Experts
-    if isinstance(module, _Experts):
+    if isinstance(module, QuantizedExperts):
         want = (module.num_experts, module.hidden_size, module.intermediate_size)
         activation, bias = module.activation, module.gate_up_proj_bias is not None
     else:
@@ -405,7 +407,7 @@ def load_quantized_(
     Everything is read and validated before the model is touched; on any
     error (missing tensors, bad shapes, NaN codes) the model is unchanged.
     """
-    from .experts import _Experts, experts_spec
+    from .experts import QuantizedExperts, experts_spec
 
     with open_checkpoint(source) as reader:
         loaded: dict[str, nn.Module] = {}
@@ -414,15 +416,15 @@ def load_quantized_(
         for name, module in model.named_modules():
             if not name or any(name.startswith(p + ".") for p, _ in jobs):
                 continue
-            spec = experts_spec(module, name) if not isinstance(module, _Experts) else None
-            if spec is not None or isinstance(module, _Experts):
-                found = _experts_layout(reader, name)
+            spec = experts_spec(module, name) if not isinstance(module, QuantizedExperts) else None
+            if spec is not None or isinstance(module, QuantizedExperts):
+                found = experts_layout(reader, name)
                 if found is not None:
                     jobs.append((name, ("experts", module, spec, found)))
                 continue
             if not (type(module) is nn.Linear or isinstance(module, _TORCH_BQ_MODULES)):
                 continue
-            layout = _quantized_layout(reader, name)
+            layout = quantized_layout(reader, name)
             if layout is not None:
                 jobs.append((name, ("linear", module, layout)))
         bar = _progress(progress, len(jobs), "load_quantized_")
@@ -451,7 +453,7 @@ def load_quantized_(
             bar.step(name)
 
         # A tied tensor is satisfied by any of its names; it is read once.
-        tie_of = {n: group for group in _tied_groups(model) for n in group}
+        tie_of = {n: group for group in tied_groups(model) for n in group}
         dense: dict[str, torch.Tensor] = {}
         read_ties: dict[int, str] = {}
         targets = model.state_dict(keep_vars=True)
@@ -483,7 +485,7 @@ def load_quantized_(
             )
 
     for name, module in loaded.items():
-        _set_submodule(model, name, module)
+        set_submodule(model, name, module)
     model.load_state_dict(dense, strict=False, assign=True)
     _retie(model, tie_of, dense)
     if not strict:
@@ -527,9 +529,9 @@ def _mark_unfilled(model: nn.Module, report: LoadReport) -> None:
         )
 
 
-def _quantized_layout(reader: CheckpointReader, prefix: str):
+def quantized_layout(reader: CheckpointReader, prefix: str):
     """The layout of ``prefix`` if the checkpoint holds it quantized, else ``None``."""
-    names = [prefix + s for s in (".weight_scale", ".weight_scale_inv", ".scale")] + [f"{prefix}_blocks"]
+    names = [prefix + s for s in SCALE_SUFFIXES] + [f"{prefix}_blocks"]
     if not any(n in reader for n in names):
         return None
     layout = detect_linear(reader, prefix)

@@ -75,7 +75,7 @@ def _check_routing(
         )
 
 
-class _Experts(_QuantizedLinear):
+class QuantizedExperts(_QuantizedLinear):
     """Shared forward, state, construction and checks of :class:`FP4Experts` and :class:`FP8Experts`.
 
     State is held in persistent buffers, as in :mod:`torch_bq.nn.linear` (same
@@ -264,7 +264,7 @@ class _Experts(_QuantizedLinear):
 
     @classmethod
     def _from_stacked(cls, tensors: dict, *, name: str, scan_codes: bool, sizes: Tuple[int, int, int],
-                      **options) -> "_Experts":
+                      **options) -> "QuantizedExperts":
         e, h, i = sizes
         given = [b for b in (tensors.get("gate_up_proj_bias"), tensors.get("down_proj_bias")) if b is not None]
         bias = bool(given)
@@ -281,7 +281,7 @@ class _Experts(_QuantizedLinear):
         return module
 
 
-class FP4Experts(_Experts):
+class FP4Experts(QuantizedExperts):
     """Experts with OCP MXFP4 weights (W4A8 by default): gpt-oss's expert layer.
 
     State (``E`` experts, hidden ``H``, intermediate ``I``), all buffers:
@@ -418,7 +418,7 @@ class FP4Experts(_Experts):
         return load_experts(cls, source, prefix, layout=layout, device=device, **options)
 
 
-class FP8Experts(_RecordsBlock, _Experts):
+class FP8Experts(_RecordsBlock, QuantizedExperts):
     """Experts with block-scaled fp8 weights.
 
     State as :class:`FP4Experts` with ``gate_up_proj`` ``float8_e4m3fn [E, 2I, H]``,
@@ -624,7 +624,7 @@ def experts_spec(module: nn.Module, name: str = "experts") -> Optional[ExpertsSp
             SwiGLU with alpha 1.702, limit 7 for interleaved rows), so quantizing
             it would silently change the model.
     """
-    if isinstance(module, _Experts):
+    if isinstance(module, QuantizedExperts):
         return None
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
