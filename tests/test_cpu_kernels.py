@@ -50,6 +50,8 @@ def at_level(level, kernel):
 FP8 = {"reference": reference.fp8_linear, **{level: at_level(level, fast.fp8_linear) for level in LEVELS}}
 FP4 = {"reference": reference.fp4_linear, **{level: at_level(level, fast.fp4_linear) for level in LEVELS}}
 QDQ = {"reference": formats.qdq_fp8, **{level: at_level(level, fast.qdq_fp8) for level in LEVELS}}
+BF16 = {"reference": reference.bf16_linear, **{level: at_level(level, fast.bf16_linear) for level in LEVELS}}
+FP32W = {"reference": reference.fp32w_linear, **{level: at_level(level, fast.fp32w_linear) for level in LEVELS}}
 impls = pytest.mark.parametrize("impl", IMPLS)
 
 
@@ -279,6 +281,96 @@ def test_fp4_linear_property_decode_and_prefill(impl, weight, data):
     x = data.draw(activations(weight.in_features, max_rows=24, max_exponent=6))
     y = FP4[impl](x, weight.packed, weight.scale, None, True, 224.0, torch.float32)
     assert_linear_close(y, operand(x, True), weight.dequantize())
+
+
+@impls
+@pytest.mark.parametrize("n, k", [(64, 64), (130, 300), (37, 97), (5, 1)])
+@pytest.mark.parametrize("rows", [(0,), (1,), (3,), (17,), (2, 70)], ids=str)
+def test_dense_linear_shapes(impl, n, k, rows):
+    """bf16_linear and fp32w_linear (its weight narrowed to bf16 element by element)."""
+    torch.manual_seed(n + k + len(rows))
+    w = torch.randn(n, k) * torch.logspace(-3, 3, k)
+    x = torch.randn(*rows, k)
+    bias = torch.randn(n, dtype=torch.float16)
+    for b, out_dtype in ((None, torch.bfloat16), (bias, torch.float32), (bias, torch.float16)):
+        y = BF16[impl](x, w.to(torch.bfloat16), b, out_dtype)
+        assert y.dtype == out_dtype and y.shape == (*rows, n)
+        assert_linear_close(y, x.to(torch.bfloat16), w.to(torch.bfloat16), b)
+        y = FP32W[impl](x, w, b, out_dtype)
+        assert_linear_close(y, x.to(torch.bfloat16), w.to(torch.bfloat16), b)
+
+
+def prefill_counts(level):
+    """Tiles run so far by the bf16 microkernel, the fp32 microkernel and at::mm panels, at ``level``."""
+    return torch.tensor(_backend.cpu_kernels(level).prefill_counts())
+
+
+PREFILL_PATH = {"generic": 2, "avx2": 1, "avx512": 1, "avx512_bf16": 0}
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_prefill_runs_the_gemm_of_its_level(level):
+    """bf16 microkernel with AVX512_BF16, fp32 microkernel with AVX2 / AVX-512, at::mm panels without."""
+    torch.manual_seed(1)
+    d, s = formats.quantize_fp8(torch.randn(130, 96))
+    x = torch.randn(40, 96)
+    before = prefill_counts(level)
+    y = FP8[level](x, d, s, None, [32, 32], True, 224.0, torch.float32)
+    grown = prefill_counts(level) - before
+    assert grown[PREFILL_PATH[level]] > 0 and grown.sum() == grown[PREFILL_PATH[level]], grown
+    assert_linear_close(y, operand(x, True), formats.dequantize_fp8(d, s, (32, 32), torch.float32))
+
+
+@pytest.mark.skipif("avx512_bf16" not in LEVELS, reason="needs a CPU with AVX512_BF16")
+def test_bf16_prefill_leaves_tiles_that_could_meet_a_subnormal_to_fp32():
+    """vdpbf16ps reads and writes subnormals as zero. A tile goes to the bf16 microkernel only
+    when no input is subnormal and the product of the lowest set bits of A and its weights is
+    at least 2**-126 (then every product and partial sum is zero or normal); the others
+    (and fp32 scales, whose weights are not exact in bf16) take the fp32 microkernel. Each case
+    has enough weight in the subnormal range to fail the bound if it were flushed."""
+    level = "avx512_bf16"
+    torch.manual_seed(2)
+    n, k, m = 130, 96, 20
+    data = formats.quantize_fp8(torch.randn(n, k))[0].view(torch.uint8).clone()
+    data[64:96] = 0x08 | (data[64:96] & 0x80)  # e4m3 2**-6, signs kept
+    x = torch.randn(m, k)
+
+    def run(codes, x, act_quant=False, scale=None):
+        before = prefill_counts(level)
+        y = FP8[level](x, data, codes if scale is None else scale, None, [32, 32], act_quant, 224.0, torch.float32)
+        w = formats.dequantize_fp8(data, codes if scale is None else scale, (32, 32), torch.float32)
+        assert_linear_close(y, operand(x, act_quant), w)
+        return (prefill_counts(level) - before)[:2].tolist()  # [bf16 tiles, fp32 tiles]
+
+    normal = torch.full((5, 3), 127, dtype=torch.uint8)
+    assert run(normal, x, act_quant=True) == [3, 0]
+    small = normal.clone()
+    small[2, :] = 5  # rows 64..95 (e4m3 2**-6 each, below): weights 2**-128, fp32 subnormals
+    assert run(small, x) == [2, 1]
+    tiny_x = x.clone()
+    tiny_x[3, :] = 1e-39 * x[3].sign()  # a row of bf16 subnormals in A: every tile
+    assert run(normal, tiny_x) == [0, 3]
+    # Normal A with lowest bit 2**-107 (values 2**-100 * 1..7): products with weights
+    # whose lowest bit is 2**-36 (code 100) fall below 2**-126, with 2**-9 (code 127) they do not.
+    low_x = torch.randint(1, 8, (m, k)) * torch.randn(m, k).sign() * 2.0**-100
+    quiet = normal.clone()
+    quiet[4, :] = 100  # rows 128..129
+    assert run(quiet, low_x) == [2, 1]
+    assert run(None, x, scale=torch.rand(5, 3) + 0.5) == [0, 3]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_prefill_panels_do_not_shrink_with_large_k(level):
+    """K = 33024: a 4 MiB fp32 budget would give 31-row panels; they stay at 64 rows (at::mm path)
+    and the microkernel tiles are 64 rows whatever K is."""
+    torch.manual_seed(3)
+    n, k = 130, 33024
+    d, s = formats.quantize_fp8(torch.randn(n, k), (1, 32))
+    x = torch.randn(17, k)
+    before = prefill_counts(level)
+    y = FP8[level](x, d, s, None, [1, 32], True, 224.0, torch.float32)
+    assert int((prefill_counts(level) - before).sum()) == 3  # ceil(130 / 64)
+    assert_linear_close(y, operand(x, True), formats.dequantize_fp8(d, s, (1, 32), torch.float32))
 
 
 # --------------------------------------------------------------------------- #
