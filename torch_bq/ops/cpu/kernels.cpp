@@ -1,5 +1,5 @@
 // Fast CPU kernels for torch_bq: block-scaled fp8 / MXFP4 linear and the fp8
-// activation quant-dequant (SPEC.md §3-4).
+// activation quant-dequant (docs/contract.md §3-4).
 //
 // Built once per instruction-set level (torch_bq/ops/cpu/isa.py: generic,
 // avx2, avx512, avx512_bf16), each time from this file with that level's -m
@@ -137,7 +137,7 @@ inline uint16_t bf16_rne(float f) {
   return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 
-// Exact decode tables (SPEC.md §1).
+// Exact decode tables (docs/contract.md §1).
 struct Tables {
   float e8m0[256];
   float e4m3[256];
@@ -653,7 +653,7 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 //
 // Element types of the microkernel:
 // * bf16 x bf16 -> fp32 (builds with AVX512_BF16: vdpbf16ps / AMX): the
-//   decoded weights and A are exact in bf16 (SPEC.md §1, §3), so the products
+//   decoded weights and A are exact in bf16 (docs/contract.md §1, §3), so the products
 //   are the fp32 products the reference forms. vdpbf16ps treats subnormal
 //   inputs and results as zero, so a tile takes this path only if nothing
 //   subnormal can occur: A and the tile's weights hold no subnormal and the
@@ -1087,7 +1087,7 @@ at::Tensor fp4_linear(const at::Tensor& a, const at::Tensor& weight, const at::T
 }
 
 // --------------------------------------------------------------------------
-// activation qdq (SPEC.md §3), bit-exact with torch_bq.formats.qdq_fp8
+// activation qdq (docs/contract.md §3), bit-exact with torch_bq.formats.qdq_fp8
 // --------------------------------------------------------------------------
 
 constexpr int64_t kQdqBlock = 32;
