@@ -300,6 +300,27 @@ def test_dense_linear_shapes(impl, n, k, rows):
         assert_linear_close(y, x.to(torch.bfloat16), w.to(torch.bfloat16), b)
 
 
+@impls
+def test_fp32w_narrows_weights_to_bf16_as_torch_does(impl):
+    """Ties to even, values just above a tie or rounding up to the next binade, fp32 subnormals, NaN:
+    the kernels' fp32 -> bf16 rounding of the weight must be torch's."""
+    torch.manual_seed(4)
+    n, k = 70, 96
+    w = torch.randn(n, k)
+    w[0, :32] = 1.0 + 2.0**-8  # a tie: rounds to even (1.0)
+    w[1, :32] = 1.0 + 3 * 2.0**-8  # a tie: rounds up
+    w[2, :32] = 2.0**100 * (1 + 2.0**-8 + 2.0**-20)  # just above a tie: rounds up
+    w[3, :32] = -(1.0 - 2.0**-10)  # rounds up to -1.0 (next binade)
+    w[4, :32] = 1e-40  # fp32 subnormal: a bf16 subnormal (or zero)
+    w[5, 40] = float("nan")
+    x = torch.randn(20, k)
+    got = FP32W[impl](x, w, None, torch.float32)
+    exact_w = w.to(torch.bfloat16)
+    assert torch.equal(got.isnan(), reference.fp32w_linear(x, w, None, torch.float32).isnan())
+    finite = torch.isfinite(exact_w).all(dim=1)
+    assert_linear_close(got[:, finite], x.to(torch.bfloat16), exact_w[finite])
+
+
 def prefill_counts(level):
     """Tiles run so far by the bf16 microkernel, the fp32 microkernel and at::mm panels, at ``level``."""
     return torch.tensor(_backend.cpu_kernels(level).prefill_counts())

@@ -849,13 +849,29 @@ struct DenseRows {
     bool subnormal = false;
     int64_t k = k0;
 #if defined(TORCH_BQ_AVX512)
-    if constexpr (std::is_same_v<T, at::BFloat16>) {
-      // 32 elements per step: copy, and the smallest exponent field among the nonzero ones.
+    {
+      // 32 elements per step: copy (fp32: round to bf16 as torch does, nearest
+      // even on the bits, NaN -> 0x7FC0), and the smallest exponent field
+      // among the nonzero ones.
       const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
       __m512i low = _mm512_set1_epi16(255);
       __mmask32 tiny = 0;
       for (; k + 32 <= k1; k += 32) {
-        const __m512i v = _mm512_loadu_si512(reinterpret_cast<const void*>(row + k));
+        __m512i v;
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          v = _mm512_loadu_si512(reinterpret_cast<const void*>(row + k));
+        } else {
+          __m256i half[2];
+          for (int h = 0; h < 2; ++h) {
+            const __m512 x = _mm512_loadu_ps(row + k + 16 * h);
+            const __m512i b = _mm512_castps_si512(x);
+            const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+            __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+            r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+            half[h] = _mm512_cvtepi32_epi16(r);
+          }
+          v = _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
+        }
         _mm512_storeu_si512(reinterpret_cast<void*>(dst + (k - k0)), v);
         const __m512i mag = _mm512_and_si512(v, magnitude);
         const __mmask32 nonzero = _mm512_test_epi16_mask(mag, mag);
