@@ -86,6 +86,9 @@ setup(
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6.100", "ml_dtypes>=0.5"],
         "bench": ["matplotlib"],
+        # torch_bq.hf: the transformers quantizer (the only module that imports transformers).
+        # 5.x: the HfQuantizer / conversion-ops loading API torch_bq.hf plugs into.
+        "hf": ["transformers>=5.23,<6"],
         # The Neuron SDK (nki, torch-neuronx) comes from AWS's own package index;
         # the same-named PyPI packages are empty placeholders, so nothing is listed.
         "neuron": [],

@@ -57,8 +57,9 @@ SKIPPED_COMMANDS = {
 }
 
 # Pages whose examples take more than a few seconds on two cores: the demo and inductor
-# compiles (README), two torchrun ranks (distributed), an inductor compile (moe).
-SLOW_PAGES = {"README.md", "distributed.md", "moe.md"}
+# compiles (README), two torchrun ranks (distributed), an inductor compile (moe), tiny transformers
+# models loaded, saved and compiled (huggingface).
+SLOW_PAGES = {"README.md", "distributed.md", "moe.md", "huggingface.md"}
 
 _FENCE = re.compile(r"```(\w*)\n(.*?)```", re.S)
 _NPROC = re.compile(r"<!--\s*docs-test:\s*nproc=(\d+)\s*-->")
@@ -122,11 +123,34 @@ def _drafter(root: Path) -> None:
     save_file(state, root / "model.safetensors")
 
 
+def _hf_checkpoint(family: str, layout: str):
+    """docs/huggingface.md's tiny checkpoints: a transformers model of ``family`` in ``layout``.
+
+    The layouts are the families' own (tests/hf_fixtures.py); the page is skipped where
+    transformers (the ``hf`` extra) is not installed.
+    """
+
+    def write(root: Path) -> None:
+        pytest.importorskip("transformers")
+        import hf_fixtures as hfx
+
+        writers = {"bf16": hfx.save_bf16, "fp8": hfx.deepseek_fp8, "mxfp4": hfx.gpt_oss_mxfp4,
+                   "nvfp4": hfx.modelopt_nvfp4}
+        writers[layout](hfx.float_model(family), root)
+
+    return write
+
+
 FIXTURES = {
     "path/to/model": _fp4_model,
     "path/to/bf16_model": _bf16_model,
     "path/to/mlp": _fp8_mlp,
     "path/to/drafter": _drafter,
+    "path/to/DeepSeek-V3": _hf_checkpoint("deepseek_v3", "fp8"),
+    "path/to/gpt-oss": _hf_checkpoint("gpt_oss", "mxfp4"),
+    "path/to/Qwen3-FP8": _hf_checkpoint("qwen3", "fp8"),
+    "path/to/Llama": _hf_checkpoint("llama", "bf16"),
+    "path/to/Llama-NVFP4": _hf_checkpoint("llama", "nvfp4"),
 }
 
 

@@ -238,7 +238,7 @@ def test_fp8_block_that_splits_the_fused_gate_up_is_reblocked_exactly():
 
 
 def test_bad_options(gpt_oss_file):
-    with pytest.raises(ValueError, match=r"layout: expected one of \('gpt-oss', 'deepseek'\)"):
+    with pytest.raises(ValueError, match=r"layout: expected one of \('gpt-oss', 'deepseek', 'torch_bq'\)"):
         FP4Experts.from_checkpoint(gpt_oss_file, PREFIX, layout="mixtral")
     with pytest.raises(TypeError, match=r"num_experts, projections: apply to layout='deepseek' only"):
         FP4Experts.from_checkpoint(gpt_oss_file, PREFIX, num_experts=2)

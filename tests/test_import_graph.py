@@ -1,4 +1,5 @@
-"""The checkpoint reader stands alone: no import circle with torch_bq.nn, no private names across packages."""
+"""The import graph of torch_bq: the checkpoint reader stands alone, no import circle anywhere, no private
+names imported across packages."""
 
 import ast
 from pathlib import Path
@@ -65,4 +66,73 @@ def test_loader_imports_no_private_name_of_another_package():
             if mod.split(".")[:2] == here:
                 continue
             private = [n for n in names if n.startswith("_") and n != "__future__"]
+            assert not private, f"{path.relative_to(PKG)} imports {private} from {mod}"
+
+
+def _module_graph():
+    """``module -> modules it imports`` over torch_bq, ``from pkg import submodule`` resolved to the submodule."""
+    modules = {_module_name(p): p for p in PKG.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for mod, names in _imports(path):
+            if not mod.startswith("torch_bq"):
+                continue
+            for n in names or [None]:
+                target = f"{mod}.{n}" if n and f"{mod}.{n}" in modules else mod
+                # importing a submodule runs its parents' __init__ anyway; the root package is no edge
+                if target in modules and target not in (name, "torch_bq"):
+                    edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def _cycles(graph):
+    """Strongly connected components with more than one module (Tarjan), iteratively."""
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]; counter[0] += 1; stack.append(root); on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter[0]; counter[0] += 1; stack.append(w); on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop(); on.discard(w); comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_cycle_finder_finds_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_circle_anywhere_in_the_package():
+    # function-level imports count: hiding a circle inside a function is still a circle
+    assert _cycles(_module_graph()) == []
+
+
+def test_no_private_name_imported_across_packages():
+    for path in PKG.rglob("*.py"):
+        here = _module_name(path).split(".")[:2]
+        for mod, names in _imports(path):
+            if not mod.startswith("torch_bq.") or mod.split(".")[:2] == here:
+                continue
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
             assert not private, f"{path.relative_to(PKG)} imports {private} from {mod}"

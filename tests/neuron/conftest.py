@@ -34,6 +34,10 @@ def _install_shim() -> None:
 
     if not getattr(nki, "__torch_bq_stand_in__", False):
         raise pytest.UsageError(f"expected the NKI stand-in from {SHIM_DIR}, imported {nki.__file__}")
+    from torch_bq.ops.nki import launch as prep
+
+    # Every kernel is held to torch_bq's instruction budget (one constant, in launch.py).
+    nki._core.DEFAULT_INSTRUCTION_BUDGET = prep.INSTRUCTION_BUDGET
 
 
 def pytest_configure(config):

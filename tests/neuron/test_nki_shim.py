@@ -131,18 +131,13 @@ def test_rejects_reading_memory_nobody_wrote(nk):
 
 def test_fresh_allocations_are_nan_filled(nk):
     nki, nisa, nl = nk
-    seen = {}
-
-    @nki.jit
-    def kernel(x):
+    # Observed from outside a kernel (a kernel cannot read unwritten memory: that raises).
+    nki._core.Launch.current = nki._core._Program(nki._core.Launch(1), 0)
+    try:
         t = nl.ndarray((4, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
-        seen["values"] = np.array(t.arr, dtype=np.float32)
-        out = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.shared_hbm)
-        nisa.dma_copy(dst=out, src=x)
-        return out
-
-    nki.simulate(kernel)(np.zeros((4, 4), np.float32))
-    assert np.isnan(seen["values"]).all()
+        assert np.isnan(np.array(t.arr, dtype=np.float32)).all()
+    finally:
+        nki._core.Launch.current = None
 
 
 def test_rejects_accumulate_into_psum_no_matmul_initialised(nk):
@@ -205,7 +200,9 @@ def test_rejects_sbuf_over_budget_but_frees_rebound_tiles(nk):
 
     @nki.jit
     def hoarding(x):
-        kept = [nl.ndarray((128, 20480), dtype=nl.float32, buffer=nl.sbuf, name=f"t{i}") for i in range(3)]
+        kept = []
+        for i in range(3):
+            kept.append(nl.ndarray((128, 20480), dtype=nl.float32, buffer=nl.sbuf, name="t" + str(i)))
         return kept
 
     with pytest.raises(nki.NkiShimError, match=r"SBUF budget exceeded allocating t2\[128, 20480\]"):
@@ -217,7 +214,10 @@ def test_rejects_more_than_eight_psum_banks(nk):
 
     @nki.jit
     def kernel(x):
-        return [nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum, name=f"acc{i}") for i in range(9)]
+        accs = []
+        for i in range(9):
+            accs.append(nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum, name="acc" + str(i)))
+        return accs
 
     with pytest.raises(nki.NkiShimError, match=r"PSUM exhausted allocating acc8\[128, 512\].*8 of 8"):
         nki.simulate(kernel)(np.zeros((1, 1), np.float32))
@@ -331,12 +331,10 @@ def test_rejects_dma_into_psum(nk):
 
 def test_lnc2_runs_two_programs_sharing_the_output(nk):
     nki, nisa, nl = nk
-    ids = []
 
     @nki.jit
     def kernel(x):
-        pid, nprog = nl.program_id(0), nl.num_programs(0)
-        ids.append((pid, nprog))
+        pid = nl.program_id(0)
         out = nl.ndarray((2, 4), dtype=nl.float32, buffer=nl.shared_hbm)
         t = nl.ndarray((1, 4), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=t, src=x[pid:pid + 1, :])
@@ -344,9 +342,7 @@ def test_lnc2_runs_two_programs_sharing_the_output(nk):
         return out
 
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
-    assert np.array_equal(nki.simulate(kernel[2])(x), x)
-    assert ids == [(0, 2), (1, 2)]
-    ids.clear()
+    assert np.array_equal(nki.simulate(kernel[2])(x), x)  # both programs ran, with ids 0 and 1
     # On one core only row 0 is written: the stand-in refuses to return a partly written output.
     with pytest.raises(nki.NkiShimError, match=r"4 element\(s\) never written"):
         nki.simulate(kernel)(x)

@@ -28,7 +28,7 @@ from torch import nn
 
 from .. import formats
 from ..nn.checkpoint import CheckpointError, Source, detect_linear, open_checkpoint
-from ..nn.drafter import _NORMS, Drafter, DrafterLayer, _check_format, _load_norm
+from ..nn.drafter import NORM_NAMES, Drafter, DrafterLayer, check_weight_format, load_norm
 from ..nn.drafter_config import DrafterConfig
 from ..nn.linear import BF16Linear, FP8Linear
 from .linear import RowParallelLinear, group_rank_and_size, row_parallel_over
@@ -112,7 +112,7 @@ def _shard_layer(layer: DrafterLayer, rank: int, size: int, group, reduce: str) 
     c = layer.config
     plan = _Plan.of(c, rank, size)
     out = _new_layer(c, plan, layer.validate)
-    for name in _NORMS:
+    for name in NORM_NAMES:
         setattr(out, name, getattr(layer, name))
     out.qkv_proj = column_shard(layer.qkv_proj, plan.qkv_rows(c))
     out.o_proj = row_parallel_over(layer.o_proj, plan.heads, rank, group, input_is_parallel=True, reduce=reduce)
@@ -207,7 +207,7 @@ def tensor_parallel_from_checkpoint(
 
     def layout(reader, name: str, base: str):
         found = detect_linear(reader, base + name, block=config.fp8_block)
-        _check_format(found, config, base + name)
+        check_weight_format(found, config, base + name)
         if (found.out_features, found.in_features) != shapes[name]:
             raise CheckpointError(
                 f"{base}{name}.weight: expected a {list(shapes[name])} layer for this config, "
@@ -236,11 +236,11 @@ def tensor_parallel_from_checkpoint(
             for name in ("gate_proj", "up_proj"):
                 setattr(layer, name, read_column_shard(reader, layout(reader, name, base), [plan.ffn[rank]], **opts))
             layer.down_proj = row(reader, "down_proj", base, plan.ffn)
-            for name in _NORMS:
-                _load_norm(reader, base + name, getattr(layer, name), device)
+            for name in NORM_NAMES:
+                load_norm(reader, base + name, getattr(layer, name), device)
             layers.append(layer.to(device))
         out.layers = nn.ModuleList(layers)
-        _load_norm(reader, f"{prefix}norm", out.norm, device)
+        load_norm(reader, f"{prefix}norm", out.norm, device)
     return out
 
 

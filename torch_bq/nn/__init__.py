@@ -6,7 +6,8 @@
   supported checkpoint layout (:mod:`torch_bq.checkpoint`, re-exported), and
   :func:`save_quantized`, which writes a recorded checkpoint (:mod:`torch_bq.nn.save`);
 * :func:`quantize_`, :func:`load_quantized_`, :func:`convert_checkpoint` — whole models and
-  checkpoints (:mod:`torch_bq.nn.convert`);
+  checkpoints (:mod:`torch_bq.nn.convert`); :func:`empty_model` — skeletons to load into
+  (:mod:`torch_bq.nn.empty`);
 * :class:`DrafterConfig`, :class:`DrafterLayer`, :class:`Drafter` — the DSpark
   speculative-decoding drafter (:mod:`torch_bq.nn.drafter`), with :class:`GemmaRMSNorm`;
 * :class:`FP4Experts`, :class:`FP8Experts` — mixture-of-experts layers (:mod:`torch_bq.nn.experts`).
@@ -28,7 +29,8 @@ from .checkpoint import (
     read_linear,
     resolve_linear,
 )
-from .convert import LoadReport, QuantizeReport, convert_checkpoint, load_quantized_, quantize_
+from .convert import LoadReport, QuantizeReport, UnfilledModuleError, convert_checkpoint, load_quantized_, quantize_
+from .empty import empty_model, meta_weights
 from .drafter import Drafter, DrafterLayer
 from .drafter_config import DrafterConfig
 from .experts import FP4Experts, FP8Experts
@@ -60,6 +62,9 @@ __all__ = [
     "resolve_linear",
     "quantize_",
     "load_quantized_",
+    "empty_model",
+    "meta_weights",
+    "UnfilledModuleError",
     "convert_checkpoint",
     "QuantizeReport",
     "LoadReport",

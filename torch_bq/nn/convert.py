@@ -49,6 +49,7 @@ __all__ = [
     "load_quantized_",
     "convert_checkpoint",
     "DEFAULT_EXCLUDE",
+    "UnfilledModuleError",
 ]
 
 _TORCH_BQ_MODULES = (FP8Linear, FP4Linear, BF16Linear)
@@ -70,36 +71,113 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 # =========================================================================== #
+# shared: tied tensors, experts, progress
+# =========================================================================== #
+
+
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    """Names of parameters/buffers that are one tensor under several names (tied embeddings), per tensor."""
+    groups: dict[int, list[str]] = {}
+    for name, t in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(t), []).append(name)
+    for name, t in model.named_buffers(remove_duplicate=False):
+        if t is not None:
+            groups.setdefault(id(t), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _unique_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _module_bytes(module: nn.Module) -> int:
+    return _unique_bytes([*module.parameters(), *module.buffers()])
+
+
+def _progress(progress: Optional[bool], total: int, what: str) -> _Progress:
+    """The library's progress line: on stderr when ``progress`` (``None``: only on a terminal, for long work)."""
+    if progress is None:
+        progress = total >= 32 and bool(getattr(sys.stderr, "isatty", lambda: False)())
+    return _Progress(sys.stderr if progress else None, max(total, 1), what)
+
+
+def _excluded(name: str, exclude: Optional[re.Pattern]) -> bool:
+    # The same regex as convert_checkpoint's, which sees tensor names: match "<module>.weight".
+    return exclude is not None and bool(exclude.search(name + ".weight"))
+
+
+# =========================================================================== #
 # quantize_
 # =========================================================================== #
 
 
 @dataclass
 class QuantizeReport:
-    """What :func:`quantize_` did: converted layer names and weight bytes before/after."""
+    """What :func:`quantize_` did.
+
+    ``converted``: module names replaced (linears and experts); ``experts``: the
+    experts modules among them; ``skipped``: linears and experts left as they were,
+    with ``skip_reasons[name]`` saying why; ``bytes_before``/``bytes_after``: bytes of the
+    converted modules' tensors, each tensor counted once (tied weights are one tensor).
+    """
 
     format: str
     converted: list[str] = field(default_factory=list)
+    experts: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    skip_reasons: dict[str, str] = field(default_factory=dict)
     bytes_before: int = 0
     bytes_after: int = 0
 
     def __str__(self) -> str:
         ratio = self.bytes_after / self.bytes_before if self.bytes_before else 1.0
+        layers = len(self.converted) - len(self.experts)
+        experts = f" and {len(self.experts)} experts modules" if self.experts else ""
         return (
-            f"quantize_ -> {self.format}: {len(self.converted)} linear layers converted, "
+            f"quantize_ -> {self.format}: {layers} linear layers{experts} converted, "
             f"{len(self.skipped)} skipped; {self.bytes_before / 2**20:.2f} MiB -> "
             f"{self.bytes_after / 2**20:.2f} MiB ({ratio:.2f}x)"
         )
+
+
+_EXPERT_OPTIONS = {"fp8": ("block", "scale_dtype", "act_quant", "act_peak"),
+                   "fp4": ("rounding", "act_quant", "act_peak")}
+
+
+def _quantize_experts(module: nn.Module, spec, format: str, options: dict, name: str) -> nn.Module:
+    from .experts import FP4Experts, FP8Experts
+
+    if format not in _EXPERT_OPTIONS:
+        raise ValueError(f"{name}: experts quantize to 'fp8' or 'fp4' only, not {format!r}; exclude it or pick a format")
+    cls = FP8Experts if format == "fp8" else FP4Experts
+    opts = {k: v for k, v in options.items() if k in _EXPERT_OPTIONS[format]}
+    bias = (module.gate_up_proj_bias.detach(), module.down_proj_bias.detach()) if spec.bias else (None, None)
+    if any(t.is_meta for t in (module.gate_up_proj, module.down_proj)):
+        raise ValueError(f"{name}: its weights are on the meta device; there is nothing to quantize")
+    new = cls.from_weights(module.gate_up_proj.detach(), module.down_proj.detach(), *bias,
+                           transposed=spec.transposed, activation=spec.activation, **opts)
+    if spec.bias:
+        new.gate_up_proj_bias, new.down_proj_bias = (b.clone() for b in bias)
+    return new
 
 
 def quantize_(
     model: nn.Module,
     format: str = "fp8",
     filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
+    *,
+    exclude: Optional[str] = DEFAULT_EXCLUDE,
+    experts: bool = True,
+    progress: Optional[bool] = None,
     **options,
 ) -> QuantizeReport:
-    """Replace the ``nn.Linear`` layers of ``model`` with torch_bq modules, in place.
+    """Replace the ``nn.Linear`` layers and float experts of ``model`` with torch_bq modules, in place.
 
     Args:
         model: any module; ``model`` itself is never replaced, only its children.
@@ -107,37 +185,80 @@ def quantize_(
             ``"bf16"`` (:class:`BF16Linear`, weights rounded to bf16) or ``"fp32w"``
             (:class:`BF16Linear` keeping float32 weights).
         filter_fn: ``filter_fn(module, fully_qualified_name) -> bool``; ``None`` converts
-            every ``nn.Linear``.
-        options: passed to the class's ``from_linear`` (``block``, ``scale_dtype``,
-            ``act_quant``, ``act_peak``, ``rounding``, ``keep_fp32``).
+            every candidate that ``exclude`` does not name. A module it selects is
+            converted even if ``exclude`` names it or its weight is tied.
+        exclude: regular expression on ``"<module name>.weight"``, the same default as
+            :func:`convert_checkpoint` (embeddings, ``lm_head``, norms, routers stay in
+            their float dtype); ``None`` excludes nothing.
+        experts: also replace float stacked-experts modules (transformers'
+            ``DeepseekV3Experts``, ``GptOssExperts``, ...; see
+            :func:`torch_bq.nn.experts.experts_spec`) by :class:`FP8Experts` /
+            :class:`FP4Experts`, keeping the router and everything around them.
+        progress: a progress line on stderr (``None``: only on a terminal, for 32+ modules).
+        options: passed to ``from_linear`` / ``from_weights`` (``block``, ``scale_dtype``,
+            ``act_quant``, ``act_peak``, ``rounding``, ``keep_fp32``); experts take
+            the ones that apply to them.
 
     Returns:
         A :class:`QuantizeReport`; ``str(report)`` is a one-line summary.
 
-    Every selected layer is quantized before the first one is swapped in, so an
-    error (a non-finite weight, a layer on ``meta``) leaves the model unchanged.
+    A linear whose weight is tied to another tensor (an output embedding tied to
+    the input one) is skipped unless ``filter_fn`` selects it, so that ties stay
+    tied. Every selected module is quantized before the first one is swapped in,
+    so an error (a non-finite weight, a layer on ``meta``) leaves the model unchanged.
     """
+    from .experts import experts_spec
+
     cls = module_class_for(format)
     if format in ("bf16", "fp32w"):
         options.setdefault("keep_fp32", format == "fp32w")
+    exclude_re = _compile_regex(exclude, "exclude")
+    tied = {name for group in _tied_groups(model) for name in group}
     report = QuantizeReport(format)
-    replacements: list[tuple[str, nn.Module]] = []
+    candidates: list[tuple[str, nn.Module, object]] = []
     for name, module in model.named_modules():
-        if not name or type(module) is not nn.Linear:
+        if not name:
             continue
-        if filter_fn is not None and not filter_fn(module, name):
+        if any(name.startswith(c + ".") for c, _, _ in candidates):
+            continue
+        spec = experts_spec(module, name) if experts else None
+        if type(module) is not nn.Linear and spec is None:
+            continue
+        if filter_fn is not None:
+            if not filter_fn(module, name):
+                report.skipped.append(name)
+                report.skip_reasons[name] = "filter_fn"
+                continue
+        elif _excluded(name, exclude_re):
             report.skipped.append(name)
+            report.skip_reasons[name] = "exclude"
             continue
+        elif spec is None and f"{name}.weight" in tied:
+            report.skipped.append(name)
+            report.skip_reasons[name] = "tied (quantizing it would untie it)"
+            continue
+        candidates.append((name, module, spec))
+
+    bar = _progress(progress, len(candidates), "quantize_")
+    replacements: list[tuple[str, nn.Module, bool]] = []
+    for name, module, spec in candidates:
         try:
-            new = cls.from_linear(module, **options)
+            if spec is not None:
+                new = _quantize_experts(module, spec, format, options, name)
+            else:
+                new = cls.from_linear(module, **options)
         except (ValueError, TypeError) as e:
             raise type(e)(f"{name}: {e}") from None
-        report.bytes_before += _state_bytes(module)
-        report.bytes_after += _state_bytes(new)
-        replacements.append((name, new))
-    for name, new in replacements:
+        replacements.append((name, new, spec is not None))
+        bar.step(name)
+    before = _unique_bytes([t for _, m, _ in candidates for t in (*m.parameters(), *m.buffers())])
+    for name, new, is_experts in replacements:
         _set_submodule(model, name, new)
         report.converted.append(name)
+        if is_experts:
+            report.experts.append(name)
+    report.bytes_before = before
+    report.bytes_after = _unique_bytes([t for _, m, _ in replacements for t in m.buffers()])
     return report
 
 
@@ -148,21 +269,95 @@ def quantize_(
 
 @dataclass
 class LoadReport:
-    """What :func:`load_quantized_` did."""
+    """What :func:`load_quantized_` did.
+
+    ``unfilled``: modules (``strict=False``) that still hold ``meta`` tensors because
+    the checkpoint lacks them; calling one raises ``RuntimeError`` naming it.
+    """
 
     quantized: dict[str, str] = field(default_factory=dict)  # module name -> "fp8 (deepseek-v3)"
+    experts: dict[str, str] = field(default_factory=dict)  # experts module name -> "fp4 (gpt-oss)"
     dense: list[str] = field(default_factory=list)  # state-dict keys loaded as usual
     missing: list[str] = field(default_factory=list)  # model keys the checkpoint lacks (strict=False)
+    unfilled: list[str] = field(default_factory=list)  # modules left (partly) on meta (strict=False)
 
     def __str__(self) -> str:
         kinds: dict[str, int] = {}
         for v in self.quantized.values():
             kinds[v] = kinds.get(v, 0) + 1
         parts = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none"
+        experts = f", {len(self.experts)} experts modules" if self.experts else ""
+        unfilled = (f"; {len(self.unfilled)} modules left unfilled on meta (calling them raises): "
+                    f"{self.unfilled[:5]}{'...' if len(self.unfilled) > 5 else ''}") if self.unfilled else ""
         return (
-            f"load_quantized_: {len(self.quantized)} quantized linear layers ({parts}), "
-            f"{len(self.dense)} other tensors, {len(self.missing)} missing"
+            f"load_quantized_: {len(self.quantized)} quantized linear layers ({parts}){experts}, "
+            f"{len(self.dense)} other tensors, {len(self.missing)} missing{unfilled}"
         )
+
+
+class UnfilledModuleError(RuntimeError):
+    """A module is called while tensors of it are still on ``meta`` (a partial load left them there)."""
+
+
+def _refuse_while_unfilled(module: nn.Module, name: str) -> None:
+    """Make calling ``module`` raise while any of its tensors is on meta (the op would read garbage)."""
+
+    def hook(mod, args):
+        meta = [k for k, t in mod.state_dict().items() if t.is_meta]
+        if meta:
+            raise UnfilledModuleError(
+                f"{name}: not loaded: {meta[:4]}{'...' if len(meta) > 4 else ''} still on the meta device "
+                f"(load_quantized_(strict=False) found no checkpoint tensors for them); load them before calling it"
+            )
+        handle.remove()  # filled since: the module works as usual from now on
+
+    handle = module.register_forward_pre_hook(hook)
+
+
+def _experts_layout(reader: CheckpointReader, prefix: str):
+    """``(layout, format, options)`` of the experts stored under ``prefix``, or ``None`` if not quantized experts."""
+    from .expert_checkpoint import stacked_experts_format
+
+    if f"{prefix}.gate_up_proj_blocks" in reader:
+        return "gpt-oss", "fp4", {}
+    fmt = stacked_experts_format(reader, prefix)
+    if fmt is not None:
+        return "torch_bq", fmt, {}
+    for projections in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
+        gate = f"{prefix}.0.{projections[0]}"
+        layout = _quantized_layout(reader, gate)
+        if layout is not None:
+            return "deepseek", layout.format, {"projections": projections}
+    return None
+
+
+def _load_experts_module(reader: CheckpointReader, name: str, module: nn.Module, spec, found, device,
+                         act_quant, act_peak) -> nn.Module:
+    from .expert_checkpoint import load_experts
+    from .experts import FP4Experts, FP8Experts, _Experts
+
+    layout, fmt, options = found
+    cls = FP8Experts if fmt == "fp8" else FP4Experts
+    if isinstance(module, _Experts):
+        want = (module.num_experts, module.hidden_size, module.intermediate_size)
+        activation, bias = module.activation, module.gate_up_proj_bias is not None
+    else:
+        want = (spec.num_experts, spec.hidden_size, spec.intermediate_size)
+        activation, bias = spec.activation, spec.bias
+    new = load_experts(cls, reader, name, layout=layout, device=device, activation=activation,
+                       act_quant=act_quant, act_peak=act_peak, **options)
+    got = (new.num_experts, new.hidden_size, new.intermediate_size)
+    if got != want:
+        raise CheckpointError(
+            f"{name}: the model expects {want[0]} experts of hidden {want[1]}, intermediate {want[2]}; "
+            f"the checkpoint's are {got[0]}, {got[1]}, {got[2]}"
+        )
+    if bias != (new.gate_up_proj_bias is not None):
+        raise CheckpointError(
+            f"{name}: the model's experts {'have' if bias else 'have no'} biases, the checkpoint's "
+            f"{'have none' if bias else 'have'}"
+        )
+    return new
 
 
 def load_quantized_(
@@ -173,24 +368,36 @@ def load_quantized_(
     strict: bool = True,
     act_quant: Optional[bool] = None,
     act_peak: Optional[float] = None,
+    progress: Optional[bool] = None,
 ) -> LoadReport:
-    """Load ``source`` into ``model``, installing torch_bq modules for quantized linears.
+    """Load ``source`` into ``model``, installing torch_bq modules for quantized linears and experts.
 
     For every ``nn.Linear`` (or torch_bq linear) named ``p`` in ``model`` whose
     checkpoint weights under ``p`` are fp8 or fp4 in any layout
     :func:`~torch_bq.nn.checkpoint.detect_linear` knows, the module is replaced
-    by a loaded :class:`FP8Linear`/:class:`FP4Linear`. Every other entry of
-    ``model.state_dict()`` is read from the checkpoint under its own name, cast
-    to the model's floating dtype where both are floating, and assigned
-    (``load_state_dict(assign=True)``), so a skeleton built on ``meta`` ends up
-    fully materialised on ``device``.
+    by a loaded :class:`FP8Linear`/:class:`FP4Linear`. Every stacked-experts
+    module (transformers' fused experts, see :func:`~torch_bq.nn.experts.experts_spec`,
+    or a torch_bq experts module) whose checkpoint experts are quantized (gpt-oss
+    ``_blocks``/``_scales``, DeepSeek per-expert ``{p}.{e}.gate_proj``/``w1``..., or
+    torch_bq's stacked tensors) is replaced by a loaded :class:`FP8Experts` /
+    :class:`FP4Experts` with the model's activation; the router is untouched.
+    Every other entry of ``model.state_dict()`` is read from the checkpoint under
+    its own name, cast to the model's floating dtype where both are floating, and
+    assigned (``load_state_dict(assign=True)``), so a skeleton built on ``meta``
+    (:func:`torch_bq.nn.empty_model`) ends up fully materialised on ``device``.
+    Tied tensors (``lm_head.weight`` is ``embed_tokens.weight``) are read once,
+    under whichever of their names the checkpoint holds, and stay tied.
 
     Args:
-        model: the model or skeleton (e.g. ``with torch.device("meta"): Model(config)``).
+        model: the model or skeleton (e.g. ``torch_bq.nn.empty_model(config)``).
         source: checkpoint file, directory, mapping or :class:`CheckpointReader`.
         device: where loaded tensors go.
-        strict: raise if the checkpoint lacks any of the model's tensors.
+        strict: raise if the checkpoint lacks any of the model's tensors. With
+            ``strict=False`` the report lists them (``missing``) and the modules left
+            on ``meta`` (``unfilled``); calling such a module raises
+            :class:`UnfilledModuleError` until it is loaded, and a warning says so.
         act_quant, act_peak: options for the installed quantized modules.
+        progress: a progress line on stderr (``None``: only on a terminal, for 32+ layers).
 
     Returns:
         A :class:`LoadReport`.
@@ -198,17 +405,35 @@ def load_quantized_(
     Everything is read and validated before the model is touched; on any
     error (missing tensors, bad shapes, NaN codes) the model is unchanged.
     """
+    from .experts import _Experts, experts_spec
+
     with open_checkpoint(source) as reader:
         loaded: dict[str, nn.Module] = {}
         report = LoadReport()
+        jobs = []
         for name, module in model.named_modules():
-            if not name or not (type(module) is nn.Linear or isinstance(module, _TORCH_BQ_MODULES)):
+            if not name or any(name.startswith(p + ".") for p, _ in jobs):
                 continue
-            if any(name.startswith(p + ".") for p in loaded):
+            spec = experts_spec(module, name) if not isinstance(module, _Experts) else None
+            if spec is not None or isinstance(module, _Experts):
+                found = _experts_layout(reader, name)
+                if found is not None:
+                    jobs.append((name, ("experts", module, spec, found)))
+                continue
+            if not (type(module) is nn.Linear or isinstance(module, _TORCH_BQ_MODULES)):
                 continue
             layout = _quantized_layout(reader, name)
-            if layout is None:
+            if layout is not None:
+                jobs.append((name, ("linear", module, layout)))
+        bar = _progress(progress, len(jobs), "load_quantized_")
+        for name, job in jobs:
+            if job[0] == "experts":
+                _, module, spec, found = job
+                loaded[name] = _load_experts_module(reader, name, module, spec, found, device, act_quant, act_peak)
+                report.experts[name] = f"{found[1]} ({found[0]})"
+                bar.step(name)
                 continue
+            _, module, layout = job
             expected = (module.out_features, module.in_features)
             if (layout.out_features, layout.in_features) != expected:
                 raise CheckpointError(
@@ -223,21 +448,30 @@ def load_quantized_(
             weights = read_linear(reader, layout)
             loaded[name] = build_module(weights, device=device, act_quant=act_quant, act_peak=act_peak)
             report.quantized[name] = f"{layout.format} ({layout.layout})"
+            bar.step(name)
 
+        # A tied tensor is satisfied by any of its names; it is read once.
+        tie_of = {n: group for group in _tied_groups(model) for n in group}
         dense: dict[str, torch.Tensor] = {}
+        read_ties: dict[int, str] = {}
         targets = model.state_dict(keep_vars=True)
         for key, target in targets.items():
             if any(key.startswith(p + ".") for p in loaded):
                 continue
-            if key not in reader:
+            group = tie_of.get(key, [key])
+            if id(target) in read_ties:
+                continue
+            present = [k for k in group if k in reader]
+            if not present:
                 report.missing.append(key)
                 continue
-            t = reader.get(key)
+            t = reader.get(present[0])
             if tuple(t.shape) != tuple(target.shape):
-                raise CheckpointError(f"{key}: the model expects shape {list(target.shape)}, the checkpoint has {list(t.shape)}")
+                raise CheckpointError(f"{present[0]}: the model expects shape {list(target.shape)}, the checkpoint has {list(t.shape)}")
             if t.dtype.is_floating_point and target.dtype.is_floating_point and t.dtype != target.dtype:
                 t = t.to(target.dtype)
             dense[key] = t.to(device)
+            read_ties[id(target)] = key
             report.dense.append(key)
         if report.missing and strict:
             near = sorted({c for k in report.missing[:5] for c in reader.closest(k, 2)})
@@ -251,7 +485,46 @@ def load_quantized_(
     for name, module in loaded.items():
         _set_submodule(model, name, module)
     model.load_state_dict(dense, strict=False, assign=True)
+    _retie(model, tie_of, dense)
+    if not strict:
+        _mark_unfilled(model, report)
     return report
+
+
+def _retie(model: nn.Module, tie_of: dict[str, list[str]], loaded: dict[str, torch.Tensor]) -> None:
+    """``assign=True`` replaced one name of each tied group; point the others at the same tensor."""
+    for key in loaded:
+        for other in tie_of.get(key, ()):
+            if other == key:
+                continue
+            parent, _, leaf = other.rpartition(".")
+            try:
+                owner = model.get_submodule(parent) if parent else model
+            except AttributeError:
+                continue  # the module holding it was replaced by a quantized one
+            source_parent, _, source_leaf = key.rpartition(".")
+            value = getattr(model.get_submodule(source_parent) if source_parent else model, source_leaf)
+            if leaf in owner._parameters:
+                owner._parameters[leaf] = value
+            elif leaf in owner._buffers:
+                owner._buffers[leaf] = value
+
+
+def _mark_unfilled(model: nn.Module, report: LoadReport) -> None:
+    """Modules whose own tensors are still on meta: list them, warn, and make calling them raise."""
+    import warnings
+
+    for name, module in model.named_modules():
+        own = [*module._parameters.values(), *module._buffers.values()]
+        if any(t is not None and t.is_meta for t in own):
+            report.unfilled.append(name or "<root>")
+            _refuse_while_unfilled(module, name or "<root>")
+    if report.unfilled:
+        warnings.warn(
+            f"load_quantized_(strict=False): {len(report.unfilled)} modules are left on the meta device and raise "
+            f"when called: {report.unfilled[:8]}{'...' if len(report.unfilled) > 8 else ''}",
+            stacklevel=3,
+        )
 
 
 def _quantized_layout(reader: CheckpointReader, prefix: str):
@@ -261,7 +534,6 @@ def _quantized_layout(reader: CheckpointReader, prefix: str):
         return None
     layout = detect_linear(reader, prefix)
     return layout if layout.format in ("fp8", "fp4", "nvfp4") else None
-
 
 # =========================================================================== #
 # convert_checkpoint
@@ -339,8 +611,61 @@ def _check_destination(reader: CheckpointReader, dst: Path, overwrite: bool) -> 
             )
 
 
-def _plan(reader: CheckpointReader, format: str, include, exclude) -> dict[str, bool]:
+#: plan values for stacked float experts ``{p}.gate_up_proj`` / ``{p}.down_proj``: stored [E, N, K] or [E, K, N]
+_EXPERTS_PLANS = ("experts", "experts_transposed")
+
+
+def _stacked_experts(reader: CheckpointReader, name: str, include, exclude):
+    """``"experts"``/``"experts_transposed"`` for a stacked float experts tensor to quantize, else ``False``.
+
+    transformers saves fused experts as ``{p}.gate_up_proj`` + ``{p}.down_proj``, 3-D, either
+    ``[E, 2I, H]`` / ``[E, H, I]`` (``F.linear`` orientation, DeepSeek/Qwen-MoE) or
+    ``[E, H, 2I]`` / ``[E, I, H]`` (``x @ w``, gpt-oss). The pair tells which: only one
+    orientation makes the two shapes one layer (``down``'s dims would have to equal
+    both ``2I`` and ``I`` otherwise).
+    """
+    prefix, _, leaf = name.rpartition(".")
+    if leaf not in ("gate_up_proj", "down_proj") or reader.dtype(name) not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    gate_up, down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
+    if gate_up not in reader or down not in reader:
+        return False
+    g, d = reader.shape(gate_up), reader.shape(down)
+    if len(g) != 3 or len(d) != 3 or g[0] != d[0]:
+        return False
+    if include is not None and not include.search(name):
+        return False
+    if exclude is not None and exclude.search(name):
+        return False
+    if g[1] % 2 == 0 and tuple(d[1:]) == (g[2], g[1] // 2):
+        return "experts"
+    if g[2] % 2 == 0 and tuple(d[1:]) == (g[2] // 2, g[1]):
+        return "experts_transposed"
+    raise CheckpointError(
+        f"{gate_up} {list(g)} and {down} {list(d)} are stacked experts but form no [E, 2I, H] / [E, H, I] "
+        f"layer in either orientation"
+    )
+
+
+def _quantize_stacked(t: torch.Tensor, transposed: bool, format: str, block, scale_dtype, rounding, name: str):
+    """``[E, N, K]`` quantized data and scales of a stacked float experts tensor, one expert at a time."""
+    w = t.transpose(1, 2) if transposed else t
+    try:
+        if format == "fp8":
+            pairs = [formats.quantize_fp8(w[e], block, scale_dtype) for e in range(w.shape[0])]
+        else:
+            pairs = [formats.quantize_fp4(w[e], rounding) for e in range(w.shape[0])]
+    except ValueError as e:
+        raise CheckpointError(f"{name}: {e}") from None
+    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+
+def _plan(reader: CheckpointReader, format: str, include, exclude) -> dict[str, object]:
     """``{tensor name: quantize?}`` from the headers alone, refusing outputs that would be wrong.
+
+    The value is ``True`` for a 2-D weight, one of ``_EXPERTS_PLANS`` for a stacked
+    float experts tensor (quantized per expert into torch_bq's stacked ``[E, N, K]``
+    layout: ``{p}.gate_up_proj`` + ``{p}.gate_up_proj_scale``), ``False`` to copy.
 
     Raises :class:`CheckpointError` for a weight to be quantized whose prefix
     already holds a scale tensor: the new ``{p}.weight_scale`` would collide with
@@ -348,11 +673,19 @@ def _plan(reader: CheckpointReader, format: str, include, exclude) -> dict[str, 
     by it cannot be told from the file, so neither dropping nor keeping the old
     scale is safe.
     """
-    plan: dict[str, bool] = {}
+    plan: dict[str, object] = {}
     for name in reader.keys():
         shape, dtype = reader.shape(name), reader.dtype(name)
-        plan[name] = _should_quantize(name, shape, dtype, include, exclude)
+        plan[name] = _should_quantize(name, shape, dtype, include, exclude) or _stacked_experts(
+            reader, name, include, exclude)
         if not plan[name]:
+            continue
+        if plan[name] in _EXPERTS_PLANS:
+            if f"{name}_scale" in reader:
+                raise CheckpointError(
+                    f"{name}: the source already holds {name}_scale next to these float experts, so quantizing "
+                    f"them would mix the old scale with the new one; exclude= them or remove the old scale"
+                )
             continue
         prefix = name[: -len(".weight")]
         present = [prefix + s for s in SCALE_SUFFIXES if prefix + s in reader]
@@ -411,7 +744,10 @@ def convert_checkpoint(
 
     Each 2-D floating ``*.weight`` whose name matches ``include`` (default: all) and
     not ``exclude`` becomes ``{p}.weight`` + ``{p}.weight_scale`` (docs/contract.md §2
-    quantizers); every other tensor is copied unchanged. Output shard ``i`` holds
+    quantizers); stacked float experts (transformers' fused ``{p}.gate_up_proj`` /
+    ``{p}.down_proj``, 3-D, in either orientation) become torch_bq's stacked
+    ``[E, N, K]`` data + ``{p}.gate_up_proj_scale`` / ``{p}.down_proj_scale``, quantized
+    per expert; every other tensor is copied unchanged. Output shard ``i`` holds
     the converted tensors of input shard ``i``, so at most one input shard's
     worth of quantized tensors plus one float tensor is in memory. ``dst`` gets
     ``model-XXXXX-of-XXXXX.safetensors`` files, ``model.safetensors.index.json``,
@@ -479,7 +815,17 @@ def convert_checkpoint(
                 for name in names:
                     t = reader.get(name)
                     summary["bytes_in"] += t.numel() * t.element_size()
-                    if plan[name]:
+                    if plan[name] in _EXPERTS_PLANS:
+                        prefix = name.rpartition(".")[0]
+                        out[name], out[f"{name}_scale"] = _quantize_stacked(
+                            t, plan[name] == "experts_transposed", format, block, scale_dtype, rounding, name)
+                        if name.endswith(".gate_up_proj"):
+                            records[prefix] = LayerRecord(
+                                format, tuple(block) if format == "fp8" else (1, 32),
+                                scale_dtype if format == "fp8" else torch.float8_e8m0fnu,
+                            )
+                        summary["quantized"].append(name)
+                    elif plan[name]:
                         prefix = name[: -len(".weight")]
                         try:
                             if format == "fp8":

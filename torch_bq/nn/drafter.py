@@ -36,10 +36,11 @@ from .drafter_config import DrafterConfig
 from .linear import BF16Linear, FP8Linear
 from .norm import GemmaRMSNorm
 
-__all__ = ["DrafterLayer", "Drafter", "check_step"]
+__all__ = ["DrafterLayer", "Drafter", "check_step", "NORM_NAMES", "check_weight_format", "load_norm"]
 
 _LINEARS = ("qkv_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_NORMS = ("input_layernorm", "q_norm", "k_norm", "post_attention_layernorm")
+#: the norms of one layer, by their checkpoint names (the tensor-parallel loader reads the same ones)
+NORM_NAMES = ("input_layernorm", "q_norm", "k_norm", "post_attention_layernorm")
 
 
 def _linear(config: DrafterConfig, in_features: int, out_features: int, device) -> nn.Module:
@@ -338,9 +339,9 @@ class Drafter(nn.Module):
                         module = _load_linear(reader, base + name, config, device)
                     _check_linear_shape(module, getattr(layer, name), base + name)
                     setattr(layer, name, module)
-                for name in _NORMS:
-                    _load_norm(reader, base + name, getattr(layer, name), device)
-            _load_norm(reader, f"{prefix}norm", drafter.norm, device)
+                for name in NORM_NAMES:
+                    load_norm(reader, base + name, getattr(layer, name), device)
+            load_norm(reader, f"{prefix}norm", drafter.norm, device)
         return drafter
 
 
@@ -349,7 +350,8 @@ class Drafter(nn.Module):
 # --------------------------------------------------------------------------- #
 
 
-def _check_format(weights, config: DrafterConfig, prefix: str) -> None:
+def check_weight_format(weights, config: DrafterConfig, prefix: str) -> None:
+    """Raise :class:`CheckpointError` unless ``weights`` (a loaded linear) has the format and block ``config`` asks for."""
     want = "bf16" if config.weight_format == "bf16" else "fp8"
     got = "bf16" if weights.format in ("bf16", "fp32w") else weights.format
     if got != want or (want == "fp8" and tuple(weights.block) != config.fp8_block):
@@ -373,7 +375,7 @@ def _resolve(reader, prefix: str, config: DrafterConfig):
         raise
     except CheckpointError as e:
         raise CheckpointError(f"{e} (config.weight_format={config.weight_format!r})") from None
-    _check_format(weights, config, prefix)
+    check_weight_format(weights, config, prefix)
     return weights
 
 
@@ -415,7 +417,8 @@ def _check_linear_shape(module: nn.Module, like: nn.Module, prefix: str) -> None
         )
 
 
-def _load_norm(reader, prefix: str, norm: GemmaRMSNorm, device) -> None:
+def load_norm(reader, prefix: str, norm: GemmaRMSNorm, device) -> None:
+    """Load ``{prefix}.weight`` (float ``[dim]``) from ``reader`` into ``norm``, checking shape and dtype."""
     name = f"{prefix}.weight"
     w = reader.get(name)
     if tuple(w.shape) != (norm.dim,):

@@ -16,6 +16,10 @@ experts of a layer live and how to stack them.
                ``.weight_scale_inv``), ``{p}.{e}.w3.*``, ``{p}.{e}.w2.*``;        ``FP4Experts``,
                fp8 (any block) or fp4 data (whichever the module is)             ``activation=
                                                                                "swiglu"``
+``"torch_bq"`` the module's own state dict, stacked: ``{p}.gate_up_proj``         ``FP8Experts`` or
+               ``[E, 2I, .]`` + ``{p}.gate_up_proj_scale``, ``{p}.down_proj`` +   ``FP4Experts``
+               ``{p}.down_proj_scale``, optional ``{p}.*_bias`` (what
+               ``save_pretrained`` of a torch_bq model writes)
 =============  ==============================================================  ================
 
 gpt-oss's gate/up rows stay interleaved as stored; DeepSeek's ``w1`` and ``w3``
@@ -49,7 +53,7 @@ from .checkpoint import (
 
 __all__ = ["EXPERT_LAYOUTS", "DEEPSEEK_PROJECTIONS", "load_experts"]
 
-EXPERT_LAYOUTS = ("gpt-oss", "deepseek")
+EXPERT_LAYOUTS = ("gpt-oss", "deepseek", "torch_bq")
 #: DeepSeek's names for (gate, up, down); HF DeepSeek-V3 uses ("gate_proj", "up_proj", "down_proj")
 DEEPSEEK_PROJECTIONS = ("w1", "w3", "w2")
 
@@ -226,6 +230,89 @@ def _sizes(prefix, gate_up: LinearLayout, down: LinearLayout, e_gate_up, e_down)
     return e_gate_up, h, two_i // 2
 
 
+_STACKED = ("gate_up_proj", "down_proj")
+
+
+def stacked_experts_format(reader, prefix: str) -> Optional[str]:
+    """``"fp8"``/``"fp4"`` if ``prefix`` holds torch_bq's stacked expert tensors, else ``None`` (headers only)."""
+    if f"{prefix}.gate_up_proj" not in reader or f"{prefix}.gate_up_proj_scale" not in reader:
+        return None
+    dtype = reader.dtype(f"{prefix}.gate_up_proj")
+    if dtype == torch.float8_e4m3fn:
+        return "fp8"
+    if dtype in (torch.uint8, torch.int8, torch.float4_e2m1fn_x2):
+        return "fp4"
+    raise CheckpointError(
+        f"{prefix}.gate_up_proj: expected fp8 (F8_E4M3) or packed fp4 (U8) data next to "
+        f"{prefix}.gate_up_proj_scale, got {dtype}"
+    )
+
+
+def stacked_experts_block(reader, prefix: str, block=None) -> tuple[int, int]:
+    """The fp8 block of torch_bq stacked experts under ``prefix``: recorded > ``block`` > shapes (headers only).
+
+    The record is the loader's (:func:`torch_bq.checkpoint.record_of` on
+    ``{prefix}.gate_up_proj``: shard metadata, the module's ``_extra_state``, config.json);
+    shape inference must leave exactly one candidate for both projections.
+    """
+    from ..checkpoint import AmbiguousLayoutError, block_candidates, record_of
+    from ..checkpoint.record import check_block_value
+
+    record = record_of(reader, prefix, f"{prefix}.gate_up_proj")
+    given = None if block is None else check_block_value(block, "block")
+    if record is not None and record.block is not None:
+        if given is not None and given != record.block:
+            raise CheckpointError(f"{prefix}: block={list(given)} was passed but {record.source} records {list(record.block)}")
+        return record.block
+    if given is not None:
+        return given
+    options = None
+    for proj in _STACKED:
+        n, k = reader.shape(f"{prefix}.{proj}")[1:]
+        grid = reader.shape(f"{prefix}.{proj}_scale")[1:]
+        found = {(a, b) for a in block_candidates(n, grid[0]) for b in block_candidates(k, grid[1])}
+        options = found if options is None else options & found
+    if options is None or len(options) != 1:
+        raise AmbiguousLayoutError(
+            f"{prefix}.gate_up_proj_scale: the scale shapes of both projections admit blocks "
+            f"{sorted(options or [])} and the checkpoint records none; pass block=(bn, bk)",
+            [("fp8", b) for b in sorted(options or [])], "block",
+        )
+    return options.pop()
+
+
+def _load_stacked(reader, cls, prefix: str, *, block, hidden_size=None, intermediate_size=None):
+    fmt = stacked_experts_format(reader, prefix)
+    if fmt is None:
+        raise CheckpointError(
+            f"{prefix}: expected torch_bq stacked experts ({prefix}.gate_up_proj + {prefix}.gate_up_proj_scale)"
+        )
+    if fmt != _format_of(cls):
+        raise CheckpointError(
+            f"{prefix}.gate_up_proj: holds {fmt} experts; load them with "
+            f"{'FP8Experts' if fmt == 'fp8' else 'FP4Experts'}, not {cls.__name__}"
+        )
+    names = [f"{prefix}.{proj}{suffix}" for proj in _STACKED for suffix in ("", "_scale", "_bias")]
+    tensors = {}
+    for proj in _STACKED:
+        for suffix in ("", "_scale", "_bias"):
+            name = f"{prefix}.{proj}{suffix}"
+            if name in reader:
+                tensors[f"{proj}{suffix}"] = reader.get(name)
+            elif suffix != "_bias":
+                raise CheckpointError(f"{name} is missing; torch_bq stacked experts need all of {names[:2] + names[3:5]}")
+    e, two_i = tensors["gate_up_proj"].shape[:2]
+    h = tensors["down_proj"].shape[1]
+    options = {}
+    if fmt == "fp8":
+        block = stacked_experts_block(reader, prefix, block)
+        return cls.from_quantized(**tensors, block=block, name=prefix), options
+    if block is not None:
+        raise TypeError("block: fp4 experts are MXFP4 (1x32 blocks); block applies to fp8 only")
+    return cls.from_quantized(**tensors, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                              name=prefix), options
+
+
 def load_experts(
     cls,
     source,
@@ -264,6 +351,17 @@ def load_experts(
     """
     if layout not in EXPERT_LAYOUTS:
         raise ValueError(f"layout: expected one of {EXPERT_LAYOUTS}, got {layout!r}")
+    if layout == "torch_bq":
+        if num_experts is not None or tuple(projections) != DEEPSEEK_PROJECTIONS:
+            raise TypeError("num_experts, projections: apply to layout='deepseek' only")
+        options = {k: v for k, v in (("activation", activation), ("act_quant", act_quant), ("act_peak", act_peak))
+                   if v is not None}
+        with open_checkpoint(source) as reader:
+            module, _ = _load_stacked(reader, cls, prefix, block=block)
+        # from_quantized validated every tensor; rebuild with the options (same storage, no copy).
+        if options:
+            module = _with_options(module, options)
+        return module.to(device)
     with open_checkpoint(source) as reader:
         if layout == "gpt-oss":
             if num_experts is not None or tuple(projections) != DEEPSEEK_PROJECTIONS:
@@ -283,3 +381,17 @@ def load_experts(
     # read_linear has scanned every tensor for NaN codes already.
     module = cls._from_stacked(stack.tensors, name=prefix, scan_codes=False, sizes=sizes, **options)
     return module.to(device)
+
+
+def _with_options(module, options: dict):
+    """``module``'s storage in a new module of the same class built with ``options``."""
+    kwargs = dict(activation=module.activation, act_quant=module.act_quant, act_peak=module.act_peak)
+    if hasattr(module, "block"):
+        kwargs.update(block=module.block, scale_dtype=module.scale_dtype)
+    kwargs.update(options)
+    bias = module.gate_up_proj_bias is not None
+    new = type(module)(module.num_experts, module.hidden_size, module.intermediate_size, bias, device="meta",
+                       dtype=module.gate_up_proj_bias.dtype if bias else torch.bfloat16, **kwargs)
+    for name, t in module.named_buffers():
+        setattr(new, name, t)
+    return new

@@ -24,6 +24,7 @@ Activations (``activation=``):
   ``a = silu(gate) * up``. ``down_proj`` is ``w2``.
 """
 
+from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -34,7 +35,7 @@ from .. import formats, ops
 from ..checkpoint.scan import scan_nan_codes
 from .linear import _QuantizedLinear, _RecordsBlock
 
-__all__ = ["FP4Experts", "FP8Experts", "ACTIVATIONS", "GPT_OSS_ALPHA", "GPT_OSS_LIMIT"]
+__all__ = ["FP4Experts", "FP8Experts", "ExpertsSpec", "experts_spec", "ACTIVATIONS", "GPT_OSS_ALPHA", "GPT_OSS_LIMIT"]
 
 ACTIVATIONS = ("gpt-oss", "swiglu")
 GPT_OSS_ALPHA = 1.702
@@ -386,18 +387,23 @@ class FP4Experts(_Experts):
         down_proj_bias: Optional[torch.Tensor] = None,
         *,
         rounding: str = "ceil",
+        transposed: bool = False,
         **options,
     ) -> "FP4Experts":
         """Quantize float expert weights with :func:`torch_bq.formats.quantize_fp4`.
 
         Args:
-            gate_up_proj: ``[E, 2I, H]`` float, rows laid out for ``options["activation"]``.
-            down_proj: ``[E, H, I]`` float.
+            gate_up_proj: ``[E, 2I, H]`` float, rows laid out for ``options["activation"]``
+                (``[E, H, 2I]`` with ``transposed=True``).
+            down_proj: ``[E, H, I]`` float (``[E, I, H]`` with ``transposed=True``).
             gate_up_proj_bias, down_proj_bias: ``[E, 2I]`` / ``[E, H]`` or ``None`` (kept as is).
             rounding: the fp4 scale rule, ``"ceil"`` or ``"floor"``.
+            transposed: the weights are ``[E, K, N]``, as transformers' ``GptOssExperts``
+                stores them (``x @ w``); they are transposed here, one expert at a time.
             options: constructor options (``activation``, ``act_quant``, ...).
         """
         tensors = {"gate_up_proj_bias": gate_up_proj_bias, "down_proj_bias": down_proj_bias}
+        gate_up_proj, down_proj = _orient(gate_up_proj, down_proj, transposed)
         sizes = _float_sizes(gate_up_proj, down_proj)
         for proj, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
             data, scale = zip(*(formats.quantize_fp4(w[e], rounding) for e in range(w.shape[0])))
@@ -521,18 +527,22 @@ class FP8Experts(_RecordsBlock, _Experts):
         *,
         block: Sequence[int] = formats.FP8.default_block,
         scale_dtype: torch.dtype = torch.float8_e8m0fnu,
+        transposed: bool = False,
         **options,
     ) -> "FP8Experts":
         """Quantize float expert weights with :func:`torch_bq.formats.quantize_fp8`.
 
         Args:
-            gate_up_proj: ``[E, 2I, H]`` float, rows laid out for ``options["activation"]``.
-            down_proj: ``[E, H, I]`` float.
+            gate_up_proj: ``[E, 2I, H]`` float, rows laid out for ``options["activation"]``
+                (``[E, H, 2I]`` with ``transposed=True``).
+            down_proj: ``[E, H, I]`` float (``[E, I, H]`` with ``transposed=True``).
             gate_up_proj_bias, down_proj_bias: ``[E, 2I]`` / ``[E, H]`` or ``None`` (kept as is).
             block, scale_dtype: the fp8 block and scale storage.
+            transposed: the weights are ``[E, K, N]`` (transformers' ``GptOssExperts`` layout).
             options: constructor options (``activation``, ``act_quant``, ...).
         """
         tensors = {"gate_up_proj_bias": gate_up_proj_bias, "down_proj_bias": down_proj_bias}
+        gate_up_proj, down_proj = _orient(gate_up_proj, down_proj, transposed)
         sizes = _float_sizes(gate_up_proj, down_proj)
         for proj, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
             data, scale = zip(*(formats.quantize_fp8(w[e], block, scale_dtype) for e in range(w.shape[0])))
@@ -554,11 +564,98 @@ def _check_stacked(gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
             raise ValueError(f"{name}: expected a stacked 3-D [E, N, .] tensor, got shape {list(t.shape)}")
 
 
+def _orient(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, transposed: bool):
+    """``[E, N, K]`` views of the two stacked weights (``transposed``: given as ``[E, K, N]``)."""
+    _check_stacked(gate_up_proj, down_proj)
+    if transposed:
+        return gate_up_proj.transpose(1, 2), down_proj.transpose(1, 2)
+    return gate_up_proj, down_proj
+
+
 def _float_sizes(gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> Tuple[int, int, int]:
     """``(E, H, I)`` of float weights ``[E, 2I, H]`` / ``[E, H, I]``, checking they agree."""
+    g, d = list(gate_up_proj.shape), list(down_proj.shape)
+    if (gate_up_proj.dim() == 3 and down_proj.dim() == 3 and g[0] == d[0] and g[2] % 2 == 0
+            and d[1:] == [g[2] // 2, g[1]] and (g[1] % 2 or d[1:] != [g[1], g[2] // 2])):
+        raise ValueError(
+            f"gate_up_proj {g} / down_proj {d} are [E, K, N] (transformers' GptOssExperts layout, x @ w); "
+            f"pass transposed=True, or .transpose(1, 2) both, to give [E, 2I, H] / [E, H, I]"
+        )
     if gate_up_proj.dim() != 3 or gate_up_proj.shape[1] % 2:
-        raise ValueError(f"gate_up_proj: expected shape [E, 2I, H], got {list(gate_up_proj.shape)}")
+        raise ValueError(f"gate_up_proj: expected shape [E, 2I, H], got {g}")
     e, two_i, h = gate_up_proj.shape
     if tuple(down_proj.shape) != (e, h, two_i // 2):
-        raise ValueError(f"down_proj: expected shape {[e, h, two_i // 2]} ([E, H, I]), got {list(down_proj.shape)}")
+        raise ValueError(f"down_proj: expected shape {[e, h, two_i // 2]} ([E, H, I]), got {d}")
     return e, h, two_i // 2
+
+
+# =========================================================================== #
+# other libraries' expert modules (duck-typed; transformers is never imported here)
+# =========================================================================== #
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """What a float experts module holds, in the terms of :class:`FP8Experts`/:class:`FP4Experts`.
+
+    ``transposed``: its weights are ``[E, K, N]`` (``x @ w``, transformers'
+    ``GptOssExperts``) rather than ``[E, N, K]`` (``F.linear``, ``DeepseekV3Experts``).
+    """
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    bias: bool
+    activation: str
+    transposed: bool
+
+
+def experts_spec(module: nn.Module, name: str = "experts") -> Optional[ExpertsSpec]:
+    """The :class:`ExpertsSpec` of a float stacked-experts module, or ``None`` if it is not one.
+
+    Recognised: any module with 3-D ``gate_up_proj`` and ``down_proj`` tensors
+    (transformers' fused experts: ``DeepseekV3Experts``, ``Qwen3MoeExperts``,
+    ``GptOssExperts``, ...), oriented by its ``is_transposed`` attribute and with
+    gate/up rows concatenated or interleaved by ``is_concatenated``.
+
+    Raises:
+        ValueError: the module is an experts module but its activation is not one
+            torch_bq computes (SiLU-gated for concatenated rows; gpt-oss's clamped
+            SwiGLU with alpha 1.702, limit 7 for interleaved rows), so quantizing
+            it would silently change the model.
+    """
+    if isinstance(module, _Experts):
+        return None
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+            and gate_up.dim() == 3 and down.dim() == 3):
+        return None
+    transposed = bool(getattr(module, "is_transposed", False))
+    e = gate_up.shape[0]
+    two_i, h = (gate_up.shape[2], gate_up.shape[1]) if transposed else (gate_up.shape[1], gate_up.shape[2])
+    expected_down = (e, two_i // 2, h) if transposed else (e, h, two_i // 2)
+    if two_i % 2 or tuple(down.shape) != expected_down:
+        raise ValueError(
+            f"{name}: gate_up_proj {list(gate_up.shape)} and down_proj {list(down.shape)} do not form one "
+            f"experts layer ({'transposed ' if transposed else ''}[E, 2I, H] / [E, H, I] expected)"
+        )
+    bias = getattr(module, "gate_up_proj_bias", None) is not None
+    if bool(getattr(module, "is_concatenated", True)):
+        config = getattr(module, "config", None)
+        act = getattr(config, "hidden_act", None)
+        if act not in ("silu", "swish"):
+            raise ValueError(
+                f"{name}: {type(module).__name__} gates with hidden_act={act!r}; torch_bq's concatenated "
+                f"experts compute silu(gate) * up only"
+            )
+        activation = "swiglu"
+    else:
+        alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+        if alpha != GPT_OSS_ALPHA or limit != GPT_OSS_LIMIT:
+            raise ValueError(
+                f"{name}: {type(module).__name__} has interleaved gate/up rows with alpha={alpha}, limit={limit}; "
+                f"torch_bq's interleaved experts are gpt-oss's clamped SwiGLU (alpha {GPT_OSS_ALPHA}, "
+                f"limit {GPT_OSS_LIMIT})"
+            )
+        activation = "gpt-oss"
+    return ExpertsSpec(e, h, two_i // 2, bias, activation, transposed)

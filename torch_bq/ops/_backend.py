@@ -15,8 +15,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import glob
 import importlib
+import importlib.metadata
 import importlib.util
+import itertools
 import logging
 import os
 import platform
@@ -31,7 +34,10 @@ import torch
 
 __all__ = [
     "nki_available",
+    "nki_version",
     "neuron_available",
+    "neuron_unavailable_reason",
+    "neuron_device_present",
     "neuron_lnc",
     "backend_info",
     "cpu_features",
@@ -70,43 +76,106 @@ def _import_quietly(name: str):
         return None
 
 
-@functools.lru_cache(maxsize=None)
-def nki_available() -> bool:
-    """True when the real ``nki`` package (AWS Neuron SDK) is importable.
+# `.broadcast(dim, size)` on tensors, which the kernels use, arrived in NKI 0.5.0 (Neuron SDK
+# 2.31.0; the SDK's NKI release notes and migration guide's version table).
+NKI_MIN_VERSION = (0, 5)
 
-    PyPI's ``nki`` is an empty placeholder and torch_bq's own test stand-in
-    (``tests/nki_shim``) marks itself; neither counts. When no ``nki`` is on the
-    path this costs one ``find_spec`` and imports nothing.
-    """
+
+def _version_tuple(text: str) -> Optional[tuple]:
+    parts = []
+    for piece in str(text).split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(parts) == 2:
+            break
+    return tuple(parts) if len(parts) == 2 else None
+
+
+def nki_version(nki=None) -> Optional[tuple]:
+    """``(major, minor)`` of the installed NKI (``nki.__version__``, else its distribution's metadata), or ``None``."""
+    if nki is not None and getattr(nki, "__version__", None):
+        return _version_tuple(nki.__version__)
+    try:
+        return _version_tuple(importlib.metadata.version("nki"))
+    except Exception:  # not installed as a distribution, or no metadata
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def nki_unavailable_reason() -> Optional[str]:
+    """Why the real NKI cannot be used here (``None`` when it can); see :func:`nki_available`."""
     if not _spec_exists("nki"):
-        return False
+        return "no `nki` package (AWS Neuron SDK) is installed"
     nki = _import_quietly("nki")
-    if nki is None or getattr(nki, "__torch_bq_stand_in__", False):
-        return False
+    if nki is None:
+        return "`nki` fails to import"
+    if getattr(nki, "__torch_bq_stand_in__", False):
+        return "`nki` is torch_bq's test stand-in"
     isa = _import_quietly("nki.isa")
     language = _import_quietly("nki.language")
-    return (
+    if not (
         callable(getattr(nki, "jit", None))
         and callable(getattr(isa, "nc_matmul", None))
         and callable(getattr(isa, "dma_transpose", None))
         and callable(getattr(language, "ndarray", None))
-    )
+    ):
+        return "`nki` lacks jit / isa.nc_matmul / isa.dma_transpose / language.ndarray (a placeholder package?)"
+    version = nki_version(nki)
+    floor = ".".join(str(v) for v in NKI_MIN_VERSION)
+    if version is not None and version < NKI_MIN_VERSION:
+        return f"NKI {version[0]}.{version[1]} is older than {floor} (Neuron SDK 2.31), which the kernels need"
+    if version is None and not callable(getattr(getattr(language, "NkiTensor", None), "broadcast", None)):
+        return f"cannot tell the NKI version, and nki.language.NkiTensor has no .broadcast (NKI >= {floor})"
+    return None
+
+
+def nki_available() -> bool:
+    """True when the real ``nki`` package (AWS Neuron SDK), NKI >= 0.5, is importable.
+
+    PyPI's ``nki`` is an empty placeholder and torch_bq's own test stand-in
+    (``tests/nki_shim``) marks itself; neither counts. An NKI older than
+    ``NKI_MIN_VERSION`` (0.5, Neuron SDK 2.31: ``NkiTensor.broadcast``) does not
+    count either. When no ``nki`` is on the path this costs one ``find_spec``
+    and imports nothing.
+    """
+    return nki_unavailable_reason() is None
 
 
 @functools.lru_cache(maxsize=None)
+def neuron_unavailable_reason() -> Optional[str]:
+    """Why the ``neuron`` kernels cannot register (``None`` when they can); see :func:`neuron_available`."""
+    if not _spec_exists("torch_neuronx"):
+        return "no `torch_neuronx` (TorchNeuron) is installed"
+    reason = nki_unavailable_reason()
+    if reason is not None:
+        return reason
+    torch_neuronx = _import_quietly("torch_neuronx")
+    if torch_neuronx is None:
+        return "`torch_neuronx` fails to import"
+    if getattr(torch_neuronx, "__torch_bq_stand_in__", False):
+        return "`torch_neuronx` is torch_bq's test stand-in"
+    if not (callable(getattr(torch_neuronx, "nki_op", None)) and callable(getattr(torch_neuronx, "wrap_nki", None))):
+        return ("`torch_neuronx` has no nki_op / wrap_nki: the torch-xla flavour of torch-neuronx cannot register "
+                "custom ops on the native `neuron` device (that needs TorchNeuron)")
+    return None
+
+
 def neuron_available() -> bool:
     """True when torch_bq can register NKI kernels for the ``neuron`` device.
 
-    Needs the real ``nki`` and ``torch_neuronx`` with its ``nki_op`` custom-op
-    wrapper. On a machine without them (``find_spec`` finds neither) nothing is
-    imported; an empty placeholder package is imported, found wanting, and ignored.
+    Needs the real ``nki`` (>= 0.5) and TorchNeuron's ``torch_neuronx`` with its
+    ``nki_op`` / ``wrap_nki`` custom-op API. On a machine without them
+    (``find_spec`` finds neither) nothing is imported; an empty placeholder
+    package is imported, found wanting, and ignored.
     """
-    if not (_spec_exists("torch_neuronx") and _spec_exists("nki")):
-        return False
-    if not nki_available():
-        return False
-    torch_neuronx = _import_quietly("torch_neuronx")
-    return torch_neuronx is not None and callable(getattr(torch_neuronx, "nki_op", None))
+    return neuron_unavailable_reason() is None
+
+
+def neuron_device_present() -> bool:
+    """True on a machine with a Neuron device (``/dev/neuron*``) or where PrivateUse1 is named ``neuron``."""
+    return bool(glob.glob("/dev/neuron[0-9]*")) or torch._C._get_privateuse1_backend_name() == "neuron"
 
 
 def neuron_lnc() -> int:

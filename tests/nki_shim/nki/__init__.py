@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _core, isa, language  # noqa: F401
+from . import _core, _subset, isa, language, rules  # noqa: F401
 from ._core import NkiShimError, NkiTensor
 
 __torch_bq_stand_in__ = True  # lets torch_bq's capability check refuse the stand-in
@@ -44,6 +44,9 @@ class Kernel:
         return Kernel(self.fn, int(lnc))
 
     def __call__(self, *args, **kwargs):
+        if _core.Launch.current is not None:
+            raise NkiShimError(f"{rules.tag('py-decorated-helper')} the @nki.jit kernel {self.__name__} is called "
+                               "from inside a kernel; call a plain helper function instead")
         return simulate(self)(*args, **kwargs)
 
 
@@ -79,36 +82,48 @@ def _to_torch(array: np.ndarray):
     return torch.from_numpy(array.copy())
 
 
-def simulate(kernel):
-    """Run ``kernel`` on NumPy arrays: every program of the launch in turn, then return its outputs."""
+def simulate(kernel, check_outputs_written: bool = True):
+    """Run ``kernel`` on NumPy arrays: every program of the launch in turn, then return its outputs.
+
+    ``check_outputs_written=False`` (stand-in only) is for tracing output shapes on placeholder
+    inputs (zeros), where a kernel with data-dependent control flow may legitimately write nothing.
+    """
     kernel = jit(kernel)
 
     def run(*args, **kwargs):
         global last_launch
+        # What the NKI compiler refuses, refused before anything runs (rules.py: py-*).
+        _subset.check_signature(kernel.fn)
+        _subset.check_function(kernel.fn, is_kernel=True)
+        for name, value in (*enumerate(args), *kwargs.items()):
+            if isinstance(value, list):
+                raise NkiShimError(f"{rules.tag('py-list-arg')} {kernel.__name__}: argument {name} is a list; "
+                                   "pass a tuple")
         torch = _torch()
         as_torch = torch is not None and any(isinstance(v, torch.Tensor) for v in (*args, *kwargs.values()))
         args = [_to_numpy(v) if torch is not None and isinstance(v, torch.Tensor) else v for v in args]
         kwargs = {k: _to_numpy(v) if torch is not None and isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        launch = _core.Launch(kernel.lnc)
+        launch = _core.Launch(kernel.lnc, kernel.__name__)
         names = kernel.fn.__code__.co_varnames
 
-        def wrap(i, v):
-            if isinstance(v, np.ndarray):
-                return _core.wrap_input(_to_numpy(v), names[i] if i < len(names) else f"arg{i}")
-            return v
-
         results = []
+        # The inputs are HBM tensors both cores of an LNC=2 launch share: a kernel that writes into an
+        # input (a scatter into the tensor it returns) writes one copy, as on the device.
+        stored = [_core.wrap_input(_to_numpy(v), names[i] if i < len(names) else f"arg{i}")
+                  if isinstance(v, np.ndarray) else None for i, v in enumerate(args)]
+        stored_kw = {k: _core.wrap_input(_to_numpy(v), k) for k, v in kwargs.items() if isinstance(v, np.ndarray)}
         for pid in range(kernel.lnc):
-            # Each core sees its own copy of the inputs' handles over the same bytes.
-            wrapped = [wrap(i, v) for i, v in enumerate(args)]
-            kw = {k: (_core.wrap_input(_to_numpy(v), k) if isinstance(v, np.ndarray) else v) for k, v in kwargs.items()}
+            # Each core gets its own handles (views) over the same bytes.
+            wrapped = [v if st is None else _core.NkiTensor(st.storage, st.arr) for v, st in zip(args, stored)]
+            kw = {k: (_core.NkiTensor(stored_kw[k].storage, stored_kw[k].arr) if k in stored_kw else v)
+                  for k, v in kwargs.items()}
             _core.Launch.current = _core._Program(launch, pid)
             try:
                 results.append(kernel.fn(*wrapped, **kw))
             finally:
                 _core.Launch.current = None
         last_launch = launch
-        out = _outputs(results[0])
+        out = _outputs(results[0], check_outputs_written)
         if as_torch:  # like the real simulate: results come back in the callers' format
             out = type(out)(_to_torch(o) for o in out) if isinstance(out, (tuple, list)) else _to_torch(out)
         return out
@@ -116,14 +131,14 @@ def simulate(kernel):
     return run
 
 
-def _outputs(result):
+def _outputs(result, check_written: bool = True):
     if isinstance(result, (tuple, list)):
-        return type(result)(_outputs(r) for r in result)
+        return type(result)(_outputs(r, check_written) for r in result)
     if not isinstance(result, NkiTensor):
         raise NkiShimError(f"kernel returned {type(result).__name__}, expected tensors allocated in shared_hbm")
     if result.buffer != _core.MemoryRegion.shared_hbm:
         raise NkiShimError(f"kernel output {_core.fmt_shape(result)} must be allocated in nl.shared_hbm")
-    if not result._mask().all():
+    if check_written and not result._mask().all():
         missing = int((~result._mask().all(axis=-1)).sum())
         raise NkiShimError(f"kernel output {_core.fmt_shape(result)}: {missing} element(s) never written")
     return np.array(result.arr, copy=True)

@@ -9,13 +9,15 @@ same bytes, and the written mask of any view is derived from its byte offset
 and strides, so reinterpretation and strided views stay consistent.
 
 Budgets are tracked per program instance of a launch: live SBUF bytes per
-partition (<= ``SBUF_BYTES_PER_PARTITION``) and live PSUM banks (<= 8 of 2 KiB).
+partition (<= ``SBUF_BYTES[target]``) and live PSUM banks (<= 8 of 2 KiB), and the
+ISA instructions issued (<= the kernel's instruction budget).
 A buffer stops being live when the last view of it is garbage-collected, which
 in CPython is the moment a loop rebinds the name holding it.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from enum import Enum
 
@@ -26,7 +28,28 @@ from numpy.lib.stride_tricks import as_strided
 PMAX = 128
 PSUM_BANK_BYTES = 2048
 PSUM_BANKS = 8
-SBUF_BYTES_PER_PARTITION = 192 * 1024  # conservative for Trainium2 (the issue's budget)
+# SBUF per partition by target (rules.py hw-sbuf): Trn1 24 MiB, Trn2 28 MiB, Trn3 32 MiB over 128 partitions.
+SBUF_BYTES = {"trn1": 192 * 1024, "trn2": 224 * 1024, "trn3": 256 * 1024}
+_TARGET_NAMES = {"trn1": "trn1", "gen2": "trn1", "trn2": "trn2", "gen3": "trn2", "trn3": "trn3", "gen4": "trn3"}
+DEFAULT_TARGET = "trn2"  # the kernels are written for Trainium2
+
+# ISA instructions one program may issue (rules.py isa-instruction-budget). Tests set it from
+# torch_bq's own budget (torch_bq/ops/nki/launch.py INSTRUCTION_BUDGET); per kernel in instruction_budgets.
+DEFAULT_INSTRUCTION_BUDGET = 100_000
+instruction_budgets: dict = {}
+
+# rules.py hw-denormal-flush: when True, engines flush denormal inputs and results to zero.
+FLUSH_DENORMALS = os.environ.get("NKI_STAND_IN_FLUSH_DENORMALS", "") == "1"
+
+
+def target() -> str:
+    """The NeuronCore generation modelled: NEURON_PLATFORM_TARGET_OVERRIDE as nki.simulate reads it, else trn2."""
+    value = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "").strip().lower()
+    if not value:
+        return DEFAULT_TARGET
+    if value not in _TARGET_NAMES:
+        raise NkiShimError(f"NEURON_PLATFORM_TARGET_OVERRIDE={value!r}: expected one of {sorted(_TARGET_NAMES)}")
+    return _TARGET_NAMES[value]
 GEMM_STATIONARY_FMAX = 128
 GEMM_MOVING_FMAX = 512
 
@@ -70,7 +93,7 @@ def fmt_shape(t) -> str:
 
 
 class _Program:
-    """Per-program-instance state: the core's id and its on-chip budgets."""
+    """Per-program-instance state: the core's id, its on-chip budgets and its instruction count."""
 
     def __init__(self, launch: "Launch", pid: int):
         self.launch = launch
@@ -79,6 +102,20 @@ class _Program:
         self.sbuf_peak = 0
         self.psum_banks_live = 0
         self.shared_ordinal = 0
+        self.instructions = 0
+
+    def issue(self, op: str) -> None:
+        """Count one ISA instruction; refuse the one past the budget."""
+        self.instructions += 1
+        self.launch.instructions_by_op[op] = self.launch.instructions_by_op.get(op, 0) + 1
+        self.launch.instructions = max(self.launch.instructions, self.instructions)
+        if self.instructions > self.launch.instruction_budget:
+            from .rules import tag
+
+            raise NkiShimError(
+                f"{tag('isa-instruction-budget')} {self.launch.kernel_name}: program {self.pid} issues more than "
+                f"{self.launch.instruction_budget} ISA instructions (every loop is unrolled); split the work"
+            )
 
 
 class Launch:
@@ -86,10 +123,16 @@ class Launch:
 
     current: "_Program | None" = None
 
-    def __init__(self, nprog: int):
+    def __init__(self, nprog: int, kernel_name: str = "kernel"):
         self.nprog = nprog
+        self.kernel_name = kernel_name
         self.shared: list[Storage] = []
         self.sbuf_peak = 0
+        self.target = target()
+        self.sbuf_budget = SBUF_BYTES[self.target]
+        self.instruction_budget = instruction_budgets.get(kernel_name, DEFAULT_INSTRUCTION_BUDGET)
+        self.instructions = 0  # the most any one program issued
+        self.instructions_by_op: dict = {}  # summed over programs
 
 
 def current_program() -> _Program:
@@ -137,11 +180,12 @@ def _account(storage: Storage) -> None:
     prog = current_program()
     per_partition = int(np.prod(storage.shape[1:], dtype=np.int64)) * storage.dtype.itemsize
     if storage.buffer == MemoryRegion.sbuf:
-        if prog.sbuf_live + per_partition > SBUF_BYTES_PER_PARTITION:
+        limit = prog.launch.sbuf_budget
+        if prog.sbuf_live + per_partition > limit:
             raise NkiShimError(
-                f"ndarray: SBUF budget exceeded allocating {storage.name}{list(storage.shape)} "
+                f"[hw-sbuf] ndarray: SBUF budget exceeded allocating {storage.name}{list(storage.shape)} "
                 f"{storage.dtype.name} ({per_partition} B/partition) with {prog.sbuf_live} B/partition live; "
-                f"limit {SBUF_BYTES_PER_PARTITION} B/partition"
+                f"limit {limit} B/partition on {prog.launch.target}"
             )
         prog.sbuf_live += per_partition
         prog.sbuf_peak = max(prog.sbuf_peak, prog.sbuf_live)
@@ -280,6 +324,12 @@ class NkiTensor:
 
     reinterpret_cast = view
 
+    def ap(self, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
+        """Explicit access pattern; the stand-in models the indirect (gather/scatter) form only (see _dynamic)."""
+        from ._dynamic import make_ap
+
+        return make_ap(self, pattern, offset, scalar_offset, vector_offset, indirect_dim, dtype)
+
     def reshape(self, shape) -> "NkiTensor":
         shape = tuple(int(s) for s in shape)
         if self.on_chip and shape[0] != self.arr.shape[0]:
@@ -305,6 +355,11 @@ class NkiTensor:
         shape[dim] = int(size)
         strides[dim] = 0
         return NkiTensor(self.storage, as_strided(self.arr, shape=shape, strides=strides))
+
+    def start_partition(self) -> int:
+        """The first partition an on-chip view touches (its byte offset over the storage's partition stride)."""
+        stride = int(np.prod(self.storage.shape[1:], dtype=np.int64)) * self.storage.dtype.itemsize
+        return int(self.arr.ctypes.data - self.storage.base) // max(stride, 1)
 
     # --- the written mask -------------------------------------------------
     def _mask(self, which: str = "mask") -> np.ndarray:
@@ -336,9 +391,26 @@ class NkiTensor:
 # --------------------------------------------------------------------------- #
 
 
+_SMALLEST_NORMAL = {np.dtype(np.float32): 2.0**-126, bfloat16: 2.0**-126, np.dtype(np.float16): 2.0**-14}
+
+
+def flush(values: np.ndarray, dtype) -> np.ndarray:
+    """Denormals of ``dtype`` in ``values`` become signed zeros (only in the flush mode)."""
+    tiny = _SMALLEST_NORMAL.get(np.dtype(dtype))
+    if not FLUSH_DENORMALS or tiny is None:
+        return values
+    values = np.array(values, dtype=np.float32, copy=True)
+    small = (values != 0) & (np.abs(values) < tiny)
+    values[small] = np.copysign(0.0, values[small])
+    return values
+
+
 def to_f32(arr: np.ndarray) -> np.ndarray:
-    """What an engine computes with: every input converted to float32 (denormals kept)."""
-    return arr.astype(np.float32)
+    """What an engine computes with: every input converted to float32 (denormals kept unless flushing)."""
+    out = arr.astype(np.float32)
+    if FLUSH_DENORMALS and arr.dtype in _SMALLEST_NORMAL:
+        out = flush(out, arr.dtype)
+    return out
 
 
 def cast_on_write(values: np.ndarray, dtype) -> np.ndarray:
@@ -347,6 +419,8 @@ def cast_on_write(values: np.ndarray, dtype) -> np.ndarray:
     values = np.asarray(values)
     if dtype in FLOAT_DTYPES:
         values = values.astype(np.float32)
+        if FLUSH_DENORMALS and dtype in _SMALLEST_NORMAL:
+            return flush(values.astype(dtype).astype(np.float32), dtype).astype(dtype)
         if dtype == float8_e4m3:
             values = np.clip(values, -FP8_E4M3_MAX, FP8_E4M3_MAX)  # NaN passes through clip
         elif dtype == float8_e4m3fn:

@@ -15,6 +15,30 @@ import numpy as np
 from . import _core
 from . import language as nl
 from ._core import MemoryRegion, NkiShimError, NkiTensor, cast_on_write, fmt_shape, is_int, to_f32
+from .rules import tag
+from ._dynamic import (  # noqa: F401  (run-time addressing and control; see _dynamic)
+    AccessPattern,
+    VirtualRegister,
+    dge_mode,
+    iota,
+    nc_transpose,
+    oob_mode,
+    register_alloc,
+    register_load,
+    register_move,
+    register_store,
+)
+from . import _dynamic
+
+
+class engine:  # noqa: N801  (the real module's enum of engines)
+    tensor = "tensor"
+    vector = "vector"
+    scalar = "scalar"
+    gpsimd = "gpsimd"
+    dma = "dma"
+    sync = "sync"
+    unknown = "unknown"
 
 
 def _need_tensor(op: str, what: str, t) -> NkiTensor:
@@ -23,12 +47,25 @@ def _need_tensor(op: str, what: str, t) -> NkiTensor:
     return t
 
 
+def _check_start_partition(op: str, t: NkiTensor) -> None:
+    """rules.py hw-start-partition: where an engine access of n partitions may start."""
+    n, start = t.shape[0], t.start_partition()
+    allowed = (0,) if n > 64 else ((0, 64) if n > 32 else (0, 32, 64, 96))
+    if start not in allowed:
+        raise NkiShimError(
+            f"{tag('hw-start-partition')} {op}: invalid access of {n} partitions starting at partition {start} "
+            f"({fmt_shape(t)}); {n} partitions may start at {' or '.join(str(a) for a in allowed)}"
+        )
+
+
 def _check_on_chip(op: str, *tensors: NkiTensor) -> None:
+    """Operands of a compute-engine instruction: on chip, <= 128 partitions, an allowed start partition."""
     for t in tensors:
         if not t.on_chip:
             raise NkiShimError(f"{op}: {fmt_shape(t)} must be in SBUF or PSUM, is in {t.buffer.value}")
         if t.shape[0] > _core.PMAX:
             raise NkiShimError(f"{op}: partition dim {t.shape[0]} of {fmt_shape(t)} exceeds {_core.PMAX}")
+        _check_start_partition(op, t)
 
 
 def _per_partition(t: NkiTensor) -> int:
@@ -102,8 +139,11 @@ def _native_int(dst: NkiTensor, tensors) -> bool:
 
 
 def dma_copy(dst, src, priority=None, oob_mode=None, dge_mode=None, engine=None, name=None):
-    """``dst = src`` between HBM and SBUF; same element count; dtype change goes through float32."""
+    """``dst = src`` between HBM and SBUF; same element count; same dtype (rules.py isa-dma-no-cast)."""
     op = "dma_copy"
+    if isinstance(dst, AccessPattern) or isinstance(src, AccessPattern):
+        _dynamic.indirect_copy(dst, src, oob_mode)
+        return
     dst, src = _need_tensor(op, "dst", dst), _need_tensor(op, "src", src)
     if dst.size != src.size:
         raise NkiShimError(f"{op}: element counts differ: src {fmt_shape(src)} vs dst {fmt_shape(dst)}")
@@ -112,10 +152,12 @@ def dma_copy(dst, src, priority=None, oob_mode=None, dge_mode=None, engine=None,
     for t in (dst, src):
         if t.on_chip and t.shape[0] > _core.PMAX:
             raise NkiShimError(f"{op}: partition dim of {fmt_shape(t)} exceeds {_core.PMAX}")
-    values = src.read(op)
     if src.dtype != dst.dtype:
-        values = cast_on_write(to_f32(values), dst.dtype)
-    dst.write(op, _as_dst_shape(values, dst))
+        raise NkiShimError(
+            f"{tag('isa-dma-no-cast')} {op}: src {fmt_shape(src)} and dst {fmt_shape(dst)} differ in dtype; the "
+            "stand-in does not let a DMA cast (cast on an engine, e.g. tensor_copy)"
+        )
+    dst.write(op, _as_dst_shape(src.read(op), dst))
 
 
 def dma_transpose(dst, src, axes=None, priority=None, dge_mode=None, oob_mode=None, name=None):
@@ -184,6 +226,8 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         raise NkiShimError(f"{op}: moving free dim {n} > {_core.GEMM_MOVING_FMAX} ({shapes})")
     if dst.shape != (m, n):
         raise NkiShimError(f"{op}: dst must be [{m}, {n}] ({shapes})")
+    for t in (stationary, moving, dst):
+        _check_start_partition(op, t)
     if n * 4 > _core.PSUM_BANK_BYTES:
         raise NkiShimError(f"{op}: dst row of {n * 4} B does not fit one {_core.PSUM_BANK_BYTES} B PSUM bank")
     for t in (stationary, moving):
@@ -209,11 +253,13 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
 # --------------------------------------------------------------------------- #
 
 
-def _elementwise(op, dst, data, ops, operands, reverses, tensor_operands=()):
+def _elementwise(op, dst, data, ops, operands, reverses, tensor_operands=(), integer_engine=False):
+    """``integer_engine``: tensor_tensor's all-int32/uint32 case runs on GpSimd in exact integer math;
+    every other arithmetic form is fp32 math (rules.py isa-tensor-scalar-fp32)."""
     _check_on_chip(op, dst, data, *tensor_operands)
     _check_same_layout(op, dst, data, *tensor_operands)
     kind = _check_kinds(op, dst, ops, (data, *tensor_operands))
-    native = kind == "bitvec" or _native_int(dst, (data, *tensor_operands))
+    native = kind == "bitvec" or (integer_engine and _native_int(dst, (data, *tensor_operands)))
     values = data.read(op)
     values = values.reshape(dst.shape) if values.shape != dst.shape else values
     if not native:
@@ -221,7 +267,7 @@ def _elementwise(op, dst, data, ops, operands, reverses, tensor_operands=()):
     for alu, operand, reverse in zip(ops, operands, reverses):
         if alu is None:
             continue
-        if isinstance(operand, NkiTensor):  # a full tile (tensor_tensor's data2)
+        if isinstance(operand, NkiTensor) and any(operand is t for t in tensor_operands):  # a full tile
             b = operand.read(op).reshape(dst.shape)
             b = b if native else to_f32(b)
         else:
@@ -240,7 +286,9 @@ def tensor_tensor(dst, data1, data2, op, engine=None, name=None):
     """``dst = data1 <op> data2`` elementwise (fp32 math; bitvec on integer tiles only)."""
     if data1.buffer == MemoryRegion.psum and data2.buffer == MemoryRegion.psum:
         raise NkiShimError(f"tensor_tensor: {fmt_shape(data1)} and {fmt_shape(data2)} cannot both be in PSUM")
-    _elementwise("tensor_tensor", dst, data1, [op], [data2], [False], (data2,))
+    # GpSimd (exact int32) cannot access PSUM: with a PSUM operand the Vector Engine's fp32 math runs.
+    in_psum = MemoryRegion.psum in (dst.buffer, data1.buffer, data2.buffer)
+    _elementwise("tensor_tensor", dst, data1, [op], [data2], [False], (data2,), integer_engine=not in_psum)
 
 
 def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False,
@@ -295,3 +343,26 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     if bias is not None:
         values = values + _operand(name_, bias, dst, "arith")
     dst.write(name_, cast_on_write(op.fn(values.astype(np.float32)), dst.dtype))
+
+
+# --------------------------------------------------------------------------- #
+# instruction counting (rules.py isa-instruction-budget)
+# --------------------------------------------------------------------------- #
+
+
+def _counted(name, fn):
+    def instruction(*args, **kwargs):
+        _core.current_program().issue(name)
+        return fn(*args, **kwargs)
+
+    instruction.__name__ = name
+    instruction.__doc__ = fn.__doc__
+    instruction.__wrapped__ = fn
+    return instruction
+
+
+for _name in ("dma_copy", "dma_transpose", "tensor_copy", "memset", "nc_matmul", "tensor_tensor", "tensor_scalar",
+              "scalar_tensor_tensor", "tensor_reduce", "activation", "iota", "nc_transpose", "register_load",
+              "register_store"):
+    globals()[_name] = _counted(_name, globals()[_name])
+del _name

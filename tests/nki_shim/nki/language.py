@@ -41,7 +41,10 @@ class _TileSize:
     gemm_stationary_fmax = _core.GEMM_STATIONARY_FMAX
     gemm_moving_fmax = _core.GEMM_MOVING_FMAX
     psum_num_banks = _core.PSUM_BANKS
-    sbuf_fmax_bytes = _core.SBUF_BYTES_PER_PARTITION
+
+    @property
+    def sbuf_fmax_bytes(self):
+        return _core.SBUF_BYTES[_core.target()]
 
 
 tile_size = _TileSize()
@@ -81,6 +84,10 @@ bitwise_or = _Op("bitwise_or", "bitvec", np.bitwise_or)
 bitwise_xor = _Op("bitwise_xor", "bitvec", np.bitwise_xor)
 left_shift = _Op("left_shift", "bitvec", lambda a, b: np.left_shift(a, np.asarray(b).astype(a.dtype)))
 right_shift = _Op("right_shift", "bitvec", _logical_right_shift)
+greater_equal = _Op("greater_equal", "arith", lambda a, b: (a >= b).astype(np.float32))
+less = _Op("less", "arith", lambda a, b: (a < b).astype(np.float32))
+divide = _Op("divide", "arith", np.divide)
+exp = _Op("exp", "unary", np.exp)  # the Scalar Engine's exp; the stand-in computes it in fp32 with NumPy
 abs = _Op("abs", "unary", np.abs)  # noqa: A001  (the real module shadows the builtin too)
 copy = _Op("copy", "unary", lambda a: a)
 
@@ -117,3 +124,6 @@ def affine_range(start, stop=None, step=1):
 
 static_range = affine_range
 sequential_range = affine_range
+
+
+from ._dynamic import dynamic_range  # noqa: E402,F401  (a loop with run-time bounds; see _dynamic)

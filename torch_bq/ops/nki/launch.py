@@ -31,7 +31,14 @@ __all__ = [
     "MAX_K",
     "FP8_EXACT_CODES",
     "FP4_EXACT_CODES",
+    "INSTRUCTION_BUDGET",
+    "DECODE_M_MAX",
+    "GEMM_M_CHUNK",
     "KernelLaunch",
+    "decode_once",
+    "dequant_rows",
+    "gemm_chunks",
+    "fused_cols",
     "check_act_peak",
     "prepare_fp8_linear",
     "prepare_fp4_linear",
@@ -44,10 +51,28 @@ TRN2_FP8_MAX = 240.0  # Trainium2's native e4m3 saturates here (not 448)
 # per tile); K <= 32768 keeps one staged tile within 64 KiB of the 192 KiB budget.
 MAX_K = 32768
 
+# Instruction budget: ISA instructions one program (core) of one launch may issue. Every loop of an
+# NKI kernel is unrolled at specialization, so this bounds compile time and NEFF size. torch_bq's own
+# limit (the docs give none); the tests hold every kernel to it (docs/nki.md lists the counts).
+INSTRUCTION_BUDGET = 20_000
+# Above DECODE_M_MAX rows the weight is decoded once into an HBM scratch (fp8/fp4_dequant_kernel),
+# then bf16_linear_kernel runs over at most GEMM_M_CHUNK rows per launch (gemm_chunks()).
+# At or below it the fused kernels decode each weight tile in SBUF right before its matmuls.
+DECODE_M_MAX = 512
+GEMM_M_CHUNK = 1024
+# The dequant kernels issue ~19 (fp8) / ~18 (fp4) instructions per 128 x 512 weight tile (measured on
+# the stand-in, docs/nki.md); dequant_rows() sizes each launch's share of N rows from this.
+DEQUANT_TILE_INSTRUCTIONS = 20
+
+# The fused GEMMs stage up to MAX_GROUP M tiles K-major at once (one PSUM bank each), within
+# STAGE_BYTES per partition (linear.py's tiling; fused_cols() plans with the same numbers).
+STAGE_BYTES = 64 * 1024
+MAX_GROUP = 4
+
 # e8m0 codes whose weights the kernels' bf16 decode represents exactly (derived in
 # decode.py's docstring); a weight with a code outside is served by the reference.
-FP8_EXACT_CODES = (3, 134)  # scales 2**-124 .. 2**7
-FP4_EXACT_CODES = (27, 160)  # scales 2**-100 .. 2**33
+FP8_EXACT_CODES = (3, 246)  # scales 2**-124 .. 2**119
+FP4_EXACT_CODES = (1, 252)  # scales 2**-126 .. 2**125
 
 _OUT_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -58,7 +83,10 @@ class KernelLaunch:
 
     ``kernel`` is ``None`` when there is nothing to compute (``M == 0`` or ``N == 0``);
     ``fallback`` names why the reference must serve instead (a layout the kernels
-    do not implement), else ``None``.
+    do not implement, or scale codes they cannot decode exactly), else ``None``.
+    ``guards``: when the arguments are being traced (``torch.compile``), the scale
+    codes cannot be read, so each ``(codes, (lo, hi), op)`` here must be checked on
+    the device instead (see :func:`torch_bq.ops.nki.register`).
     """
 
     kernel: Optional[str]
@@ -67,6 +95,75 @@ class KernelLaunch:
     out_shape: tuple = ()
     out_dtype: torch.dtype = torch.bfloat16
     fallback: Optional[str] = None
+    guards: list = field(default_factory=list)
+
+
+def dequant_rows(k: int) -> int:
+    """Weight rows per dequant launch: whole 128-row blocks whose tiles fit the budget on one core."""
+    tiles_per_block = -(-k // 512)
+    blocks = max(1, (9 * INSTRUCTION_BUDGET // 10) // (DEQUANT_TILE_INSTRUCTIONS * tiles_per_block))
+    return 128 * blocks
+
+
+def _group(k: int) -> int:
+    """M tiles staged together by the GEMMs (linear.py): up to MAX_GROUP within STAGE_BYTES."""
+    return max(1, min(MAX_GROUP, STAGE_BYTES // (2 * 128 * -(-k // 128))))
+
+
+def _room() -> int:
+    return 9 * INSTRUCTION_BUDGET // 10  # a tenth of headroom for the estimate's error
+
+
+def _fused_cost(m: int, k: int) -> tuple[int, int]:
+    """``(per 512-column N tile, fixed)`` instructions of a fused fp8/fp4 launch on one core.
+
+    Per N tile and group of ``g`` staged M tiles: per 512-column K chunk four 128-row decodes with
+    their transposes (``4 * (decode + 4)``) and ``4 g`` matmuls, plus ``2 g`` for the output; fixed:
+    staging the activations (qdq and transposes), ~24 per 128 x 512 activation chunk.
+    """
+    kc, m_tiles, g = -(-k // 512), -(-m // 128), _group(k)
+    groups = -(-m_tiles // g)
+    return groups * (kc * (4 * (DEQUANT_TILE_INSTRUCTIONS + 4) + 4 * g) + 2 * g), m_tiles * kc * 24
+
+
+def fused_cols(m: int, k: int, block_rows: int = 1) -> int:
+    """Columns of ``y`` per launch of a fused fp8/fp4 kernel, so each stays within the budget.
+
+    Planned for one core (LNC=2 halves each core's share); chunks start on a scale row
+    (``block_rows`` > 128). See :func:`_fused_cost`; :func:`decode_once` routes shapes where not
+    even one N tile fits to the decode-once path.
+    """
+    per_tile, fixed = _fused_cost(m, k)
+    cols = 512 * max(1, (_room() - fixed) // per_tile)
+    if block_rows > 128:
+        cols = -(-cols // block_rows) * block_rows
+    return cols
+
+
+def gemm_chunks(n: int, k: int) -> tuple[int, int]:
+    """``(rows, cols)`` of ``y`` per bf16 GEMM launch of the large-M path, so each stays within the budget.
+
+    Per 512-column N tile a group of ``g`` staged M tiles costs ~``ceil(K/512) * (16 + 4 g) + 2 g``
+    instructions (16 weight transposes and ``4 g`` matmuls per 512-column K chunk, plus the output):
+    the columns per launch are the N tiles that fit, the rows the groups that fit with them
+    (planned for one core; LNC=2 halves each core's share).
+    """
+    g = _group(k)
+    per_tile = -(-k // 512) * (16 + 4 * g) + 2 * g
+    room = _room()
+    n_tiles = max(1, min(-(-n // 512), room // per_tile))
+    groups = max(1, room // (n_tiles * per_tile))
+    return min(GEMM_M_CHUNK, 128 * g * groups), 512 * n_tiles
+
+
+def decode_once(launch: KernelLaunch) -> bool:
+    """Whether this fp8/fp4 launch takes the decode-once path (HBM scratch, then bf16 GEMM chunks):
+    above ``DECODE_M_MAX`` rows, or where not one N tile of the fused kernel fits the budget."""
+    if launch.kernel not in ("fp8_linear_kernel", "fp4_linear_kernel"):
+        return False
+    m, k = launch.tensors[0].shape
+    per_tile, fixed = _fused_cost(m, k)
+    return m > DECODE_M_MAX or fixed + per_tile > _room()
 
 
 def check_act_peak(act_quant: bool, act_peak: float) -> None:
@@ -110,7 +207,7 @@ def _codes_outside(codes: torch.Tensor, exact: tuple[int, int]) -> Optional[str]
     """
     if codes.numel() == 0:
         return None
-    lo, hi = int(codes.min()), int(codes.max())
+    lo, hi = int(codes.min().item()), int(codes.max().item())
     if exact[0] <= lo and hi <= exact[1]:
         return None
     return f"e8m0 scale codes {lo}..{hi} outside {exact[0]}..{exact[1]}, which the kernel decodes exactly"
@@ -125,6 +222,7 @@ def prepare_fp8_linear(
     act_quant: bool,
     act_peak: float,
     out_dtype: torch.dtype,
+    tracing: bool = False,
 ) -> KernelLaunch:
     """Check and lay out ``fp8_linear``'s arguments for ``fp8_linear_kernel``.
 
@@ -134,7 +232,8 @@ def prepare_fp8_linear(
     512} dividing ``K``; float32 (DeepSeek) scales or other blocks are served by the
     reference (``fallback`` set): a float32 scale need not be a power of two, so the
     decoded weight would not be exact in bf16. So are scale codes outside
-    ``FP8_EXACT_CODES``.
+    ``FP8_EXACT_CODES``, which are read here (one host sync) unless ``tracing``,
+    where the range check becomes a device-side guard (``KernelLaunch.guards``).
     """
     ref.check_fp8_linear_args(x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
     check_act_peak(act_quant, act_peak)
@@ -147,7 +246,7 @@ def prepare_fp8_linear(
         launch = _launch(None, x, n, (), {}, out_dtype)
         launch.fallback = f"fp8 block {(bn, bk)} with {scale.dtype} scales for K={k}"
         return launch
-    out_of_range = _codes_outside(formats.as_e8m0_codes(scale), FP8_EXACT_CODES)
+    out_of_range = None if tracing else _codes_outside(formats.as_e8m0_codes(scale), FP8_EXACT_CODES)
     if out_of_range is not None:
         launch = _launch(None, x, n, (), {}, out_dtype)
         launch.fallback = out_of_range
@@ -161,6 +260,8 @@ def prepare_fp8_linear(
     options = {"act_quant": bool(act_quant), "act_peak": float(act_peak)}
     launch = _launch("fp8_linear_kernel", x, n, tensors, options, out_dtype)
     launch.options.update(block_rows=bn, block_cols=bk)
+    if tracing:
+        launch.guards.append((tensors[2], FP8_EXACT_CODES, "fp8_linear"))
     return launch
 
 
@@ -172,16 +273,18 @@ def prepare_fp4_linear(
     act_quant: bool,
     act_peak: float,
     out_dtype: torch.dtype,
+    tracing: bool = False,
 ) -> KernelLaunch:
     """Check and lay out ``fp4_linear``'s arguments; ``K`` must be a multiple of 64.
 
-    Scale codes outside ``FP4_EXACT_CODES`` are served by the reference (``fallback`` set).
+    Scale codes outside ``FP4_EXACT_CODES`` are served by the reference (``fallback`` set);
+    when ``tracing`` they cannot be read and become a device-side guard instead.
     """
     ref.check_fp4_linear_args(x, weight, scale, bias, act_quant, act_peak, out_dtype)
     check_act_peak(act_quant, act_peak)
     k = x.shape[-1]
     _check_k(k, 64, "fp4_linear")
-    out_of_range = _codes_outside(formats.as_e8m0_codes(scale), FP4_EXACT_CODES)
+    out_of_range = None if tracing else _codes_outside(formats.as_e8m0_codes(scale), FP4_EXACT_CODES)
     if out_of_range is not None:
         launch = _launch(None, x, weight.shape[0], (), {}, out_dtype)
         launch.fallback = out_of_range
@@ -193,7 +296,10 @@ def prepare_fp4_linear(
         _bias_row(bias),
     )
     options = {"act_quant": bool(act_quant), "act_peak": float(act_peak)}
-    return _launch("fp4_linear_kernel", x, weight.shape[0], tensors, options, out_dtype)
+    launch = _launch("fp4_linear_kernel", x, weight.shape[0], tensors, options, out_dtype)
+    if tracing:
+        launch.guards.append((tensors[2], FP4_EXACT_CODES, "fp4_linear"))
+    return launch
 
 
 def prepare_dense_linear(

@@ -3,7 +3,7 @@
 Importing this module imports ``nki``; only the neuron registration and the
 tests do so. Arguments arrive laid out by :mod:`torch_bq.ops.nki.launch`.
 
-All four kernels share one tiling (:func:`_linear`) and differ in how a weight
+The four GEMMs share one tiling (:func:`_linear`) and differ in how a weight
 tile becomes bf16 (:mod:`torch_bq.ops.nki.decode`):
 
 * ``fp8_linear_kernel``  e4m3 bytes x e8m0 block codes (32x32, 1x32, 128x128, ...), optional qdq
@@ -11,8 +11,15 @@ tile becomes bf16 (:mod:`torch_bq.ops.nki.decode`):
 * ``bf16_linear_kernel`` bf16 weight, DMA-transposed straight from HBM
 * ``fp32w_linear_kernel`` fp32 weight narrowed to bf16 in SBUF
 
+and two decode kernels serve large M (``fp8_dequant_kernel``, ``fp4_dequant_kernel``):
+above ``launch.DECODE_M_MAX`` rows the weight is decoded once into an HBM scratch and
+``bf16_linear_kernel`` runs over it (activations rounded once by ``qdq_fp8_kernel``),
+instead of every weight tile being decoded again for every group of 4 M tiles. For
+decode-sized M the fused kernels decode each weight tile in SBUF right before its matmuls.
+
 Launched as ``kernel(...)`` they run on one core; as ``kernel[2](...)`` (LNC=2)
-each core takes a contiguous span of whole 128-column groups of N.
+each core takes a contiguous span of whole 128-column groups of N (128-row blocks of
+the weight for the decode kernels).
 
 Tiling (``nc_matmul(dst, stationary, moving)`` computes ``stationary.T @ moving``,
 contraction on partitions, so both operands are staged K-major)::
@@ -32,20 +39,26 @@ contraction on partitions, so both operands are staged K-major)::
                     wT[:, j, block] <- dma_transpose(w[:, j*128:(j+1)*128])
                 for each K tile j of the chunk, each M tile g:
                     nc_matmul(acc[g], aT[g][:, kb, :], wT[:, j, :], accumulate=(kb > 0))
-            y[g] <- acc[g] * post_scale (+ bias), one rounding to out_dtype
+            y[g] <- acc[g] (+ bias), one rounding to out_dtype
 
-SBUF budget per partition (live at once, worst case):
+SBUF budget per partition (live at once, worst case; limits: Trn2 224 KiB, Trn1 192 KiB):
 
     staged activations  min(4, 64 KiB // 2K) M tiles x 2K B   <= 64.0 KiB
     qdq of one chunk    (qdq.qdq_chunk, while staging)          ~3.8 KiB
-    weight decode       (decode.decode_*_tile)                  ~4.6 KiB
+    weight decode       (decode.decode_*_tile, int32/fp32 lanes) ~16.3 KiB
     wT                  4 x 512 x 2 B                            4.0 KiB
     bias, output tile   512 x 4 B + 512 x <= 4 B                 4.0 KiB
-    total                                                      <= ~80 KiB of 192 KiB
+    total                                                      <= ~92 KiB
 
-The stand-in measures 63.5 KiB for M=512, K=6144, N=600 (fp8, a full group of
-4 staged tiles) and 76.5 KiB for M=130, K=32768 (``MAX_K``, one staged tile).
+The stand-in measures 82.5 KiB (fp8) / 83.2 KiB (fp4) for M=512, K=7168, N=2048.
 PSUM: one 2 KiB bank per M tile of the group, at most 4 of the 8 banks.
+
+Instructions per program (every loop is unrolled; ``Kc = ceil(K/512)``, ``Nt`` the core's
+512-column N tiles, ``G`` the M groups, ``g`` tiles per group): the fused fp8/fp4 kernels
+issue about ``G * Nt * Kc * (4 * (19 + 4) + 4 * g)`` (decode + transposes + matmuls per
+128-row block), the bf16 GEMM ``G * Nt * (Kc * (16 + 4 * g) + 2 * g)`` plus staging, the
+decode kernels ``~19 * row_blocks * Kc``; docs/nki.md lists measured counts per shape,
+and :mod:`.launch` splits large-M work into launches within ``INSTRUCTION_BUDGET``.
 """
 
 from __future__ import annotations
@@ -54,16 +67,22 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from .decode import FP4_POST_EXP, decode_fp4_tile, decode_fp8_tile, load_dense_tile
+from .decode import decode_fp4_tile, decode_fp8_tile, load_dense_tile
+from .launch import MAX_GROUP, STAGE_BYTES
 from .qdq import QDQ_BLOCK, qdq_chunk
 
 PT = 128  # partitions; also the M and K tile
 N_TILE = 512  # fp32 columns in one PSUM bank
 K_CHUNK = 512  # weight columns decoded per step
-STAGE_BYTES = 64 * 1024  # staged K-major activations per partition
-MAX_GROUP = 4  # PSUM banks for the accumulators of one M group (of 8)
-# Kernel arguments stay plain strings; NKI dictionaries take string keys.
-_OUT_DTYPES = {"bfloat16": nl.bfloat16, "float16": nl.float16, "float32": nl.float32}
+
+
+def _out_dtype(name):
+    """The nl dtype for an ``out_dtype`` name (kernel arguments stay plain strings)."""
+    if name == "float32":
+        return nl.float32
+    if name == "float16":
+        return nl.float16
+    return nl.bfloat16
 
 
 def _cdiv(a, b):
@@ -97,20 +116,16 @@ def _weight_chunk(fmt, weight, scale, n0, nt, c0, kc, block):
         rows = min(PT, nt - r0)
         row0 = n0 + r0
         if fmt == "bf16":
-            w = None  # already bf16 in HBM: transpose straight from there
+            w = weight[row0:row0 + rows, c0:c0 + kc]  # already bf16 in HBM: transpose straight from there
         elif fmt == "fp8":
-            w = decode_fp8_tile(weight, scale, row0, rows, c0, kc, block[0], block[1])
+            w = decode_fp8_tile(weight, scale, row0, rows, c0, kc, block[0], block[1])[:rows]
         elif fmt == "fp4":
-            w = decode_fp4_tile(weight, scale, row0, rows, c0, kc)
+            w = decode_fp4_tile(weight, scale, row0, rows, c0, kc)[:rows]
         else:
-            w = load_dense_tile(weight, row0, rows, c0, kc)
+            w = load_dense_tile(weight, row0, rows, c0, kc)[:rows]
         for j in range(_cdiv(kc, PT)):
             kt = min(PT, kc - j * PT)
-            if w is None:
-                src = weight[row0:row0 + rows, c0 + j * PT:c0 + j * PT + kt]
-            else:
-                src = w[:rows, j * PT:j * PT + kt]
-            nisa.dma_transpose(dst=w_t[:kt, j, r0:r0 + rows], src=src)
+            nisa.dma_transpose(dst=w_t[:kt, j, r0:r0 + rows], src=w[:, j * PT:j * PT + kt])
     return w_t
 
 
@@ -127,29 +142,30 @@ def _linear(x, weight, scale, bias, fmt, act_quant, act_peak, out_dtype, block=(
     """The shared GEMM; see the module docstring for tiling and budgets."""
     m, k = x.shape
     n = weight.shape[0]
-    y = nl.ndarray((m, n), dtype=_OUT_DTYPES[out_dtype], buffer=nl.shared_hbm, name="y")
+    y = nl.ndarray((m, n), dtype=_out_dtype(out_dtype), buffer=nl.shared_hbm, name="y")
     n_lo, n_hi = _core_span(n)
     m_tiles = _cdiv(m, PT)
     group = max(1, min(MAX_GROUP, STAGE_BYTES // (2 * PT * _cdiv(k, PT))))
     for g0 in range(0, m_tiles, group):
         # One call per group, so a group's staged tiles are dead before the next is staged.
         _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, block,
-                      range(g0, min(m_tiles, g0 + group)), n_lo, n_hi)
+                      g0, min(m_tiles, g0 + group), n_lo, n_hi)
     return y
 
 
-def _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, block, m_tile_ids, n_lo, n_hi):
-    """``y[rows of the group, n_lo:n_hi]`` for a group of M tiles staged together."""
+def _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, block, mt_lo, mt_hi, n_lo, n_hi):
+    """``y[rows of M tiles mt_lo..mt_hi-1, n_lo:n_hi]`` for a group of M tiles staged together."""
     m, k = x.shape
-    post_scale = float(2 ** FP4_POST_EXP) if fmt == "fp4" else 1.0
     tiles = []
-    for mi in m_tile_ids:
+    for mi in range(mt_lo, mt_hi):
         rows = min(PT, m - mi * PT)
         tiles.append((mi * PT, rows, _stage_activation(x, mi * PT, rows, k, act_quant, act_peak)))
 
     for n0 in range(n_lo, n_hi, N_TILE):
         nt = min(N_TILE, n_hi - n0)
-        accs = [nl.ndarray((PT, N_TILE), dtype=nl.float32, buffer=nl.psum, name="acc") for _ in tiles]
+        accs = []
+        for g in range(len(tiles)):
+            accs.append(nl.ndarray((PT, N_TILE), dtype=nl.float32, buffer=nl.psum, name="acc"))
         for c0 in range(0, k, K_CHUNK):
             kc = min(K_CHUNK, k - c0)
             w_t = _weight_chunk(fmt, weight, scale, n0, nt, c0, kc, block)
@@ -161,20 +177,19 @@ def _linear_group(x, weight, scale, bias, y, fmt, act_quant, act_peak, block, m_
                     nisa.nc_matmul(dst=accs[g][:rows, :nt], stationary=a_t[:kt, kb, :rows],
                                    moving=w_t[:kt, j, :nt], accumulate=(kb > 0))
 
-        if bias is not None:
+        if bias != None:  # noqa: E711  (NKI has no `is`)
             bias_sb = nl.ndarray((PT, N_TILE), dtype=nl.float32, buffer=nl.sbuf, name="bias")
             nisa.dma_copy(dst=bias_sb[:, :nt], src=bias[0:1, n0:n0 + nt].broadcast(0, PT))
         for g in range(len(tiles)):
             m0, rows, _ = tiles[g]
             acc = accs[g]
             out_sb = nl.ndarray((PT, N_TILE), dtype=y.dtype, buffer=nl.sbuf, name="y_sb")
-            # One rounding: (acc * post_scale + bias) in fp32, cast once on write.
-            if bias is not None:
-                nisa.scalar_tensor_tensor(dst=out_sb[:rows, :nt], data=acc[:rows, :nt], op0=nl.multiply,
-                                          operand0=post_scale, op1=nl.add, operand1=bias_sb[:rows, :nt])
+            # One rounding: (acc + bias) in fp32, cast once on write.
+            if bias != None:  # noqa: E711
+                nisa.tensor_tensor(dst=out_sb[:rows, :nt], data1=acc[:rows, :nt], data2=bias_sb[:rows, :nt],
+                                   op=nl.add)
             else:
-                nisa.tensor_scalar(dst=out_sb[:rows, :nt], data=acc[:rows, :nt], op0=nl.multiply,
-                                   operand0=post_scale)
+                nisa.tensor_copy(dst=out_sb[:rows, :nt], src=acc[:rows, :nt])
             nisa.dma_copy(dst=y[m0:m0 + rows, n0:n0 + nt], src=out_sb[:rows, :nt])
 
 
@@ -195,8 +210,9 @@ def fp8_linear_kernel(x, weight, scale, bias=None, act_quant=True, act_peak=224.
     K columns at a time (:func:`decode.decode_fp8_tile`); up to 4 M tiles staged
     K-major. ``kernel[2]``: core ``p`` takes N columns ``[p*span, (p+1)*span)``.
 
-    SBUF per partition: staged A <= 64 KiB, qdq 3.8 KiB, decode 4.6 KiB, wT 4 KiB,
-    bias + output 4 KiB: <= ~80 KiB of 192. PSUM: <= 4 of 8 banks.
+    SBUF per partition: staged A <= 64 KiB, qdq 3.8 KiB, decode 15.6 KiB, wT 4 KiB,
+    bias + output 4 KiB: <= ~92 KiB. PSUM: <= 4 of 8 banks. Instructions (LNC2, per
+    program): 2,818 at M=1, 3,880 at M=512 for K=7168, N=2048 (docs/nki.md).
 
         for each group of <= 4 M tiles:  aT <- transpose(qdq(x rows))
             for each N tile of this core:
@@ -204,8 +220,7 @@ def fp8_linear_kernel(x, weight, scale, bias=None, act_quant=True, act_peak=224.
                     for each K tile, M tile:  nc_matmul(acc, aT, wT, accumulate=(kb > 0))
                 y <- round(acc + bias)
     """
-    if act_quant and act_peak > 240.0:
-        raise ValueError(f"act_peak={act_peak}: Trainium2's fp8 e4m3 saturates at 240")
+    assert (not act_quant) or act_peak <= 240.0, "act_peak > 240: Trainium2's fp8 e4m3 saturates at 240"
     return _linear(x, weight, scale, bias, "fp8", act_quant, act_peak, out_dtype, (block_rows, block_cols))
 
 
@@ -217,21 +232,19 @@ def fp4_linear_kernel(x, weight, scale, bias=None, act_quant=True, act_peak=224.
     the low nibble of byte ``j``; ``scale`` ``[N, K/32]`` uint8 e8m0 codes (exact for codes
     in ``[27, 160]``); ``bias`` ``[1, N]`` fp32 or ``None``. ``K % 64 == 0``.
 
-    Tiling as :func:`fp8_linear_kernel`; the decode (:func:`decode.decode_fp4_tile`)
-    leaves ``2**-32`` in each weight tile and the PSUM result is multiplied by
-    ``2**32`` (exact) together with the bias add.
+    Tiling as :func:`fp8_linear_kernel`, decode by :func:`decode.decode_fp4_tile`.
 
-    SBUF per partition: staged A <= 64 KiB, qdq 3.8 KiB, decode 2.8 KiB, wT 4 KiB,
-    bias + output 4 KiB: <= ~79 KiB of 192. PSUM: <= 4 of 8 banks.
+    SBUF per partition: staged A <= 64 KiB, qdq 3.8 KiB, decode 16.3 KiB, wT 4 KiB,
+    bias + output 4 KiB: <= ~92 KiB. PSUM: <= 4 of 8 banks. Instructions (LNC2, per
+    program): 2,706 at M=1, 3,768 at M=512 for K=7168, N=2048.
 
         for each group of <= 4 M tiles:  aT <- transpose(qdq(x rows))
             for each N tile of this core:
-                for each K chunk:  wT <- transpose(decode_fp4(W rows, chunk))   # x 2**-32
+                for each K chunk:  wT <- transpose(decode_fp4(W rows, chunk))
                     for each K tile, M tile:  nc_matmul(acc, aT, wT, accumulate=(kb > 0))
-                y <- round(acc * 2**32 + bias)
+                y <- round(acc + bias)
     """
-    if act_quant and act_peak > 240.0:
-        raise ValueError(f"act_peak={act_peak}: Trainium2's fp8 e4m3 saturates at 240")
+    assert (not act_quant) or act_peak <= 240.0, "act_peak > 240: Trainium2's fp8 e4m3 saturates at 240"
     return _linear(x, weight, scale, bias, "fp4", act_quant, act_peak, out_dtype)
 
 
@@ -239,11 +252,15 @@ def fp4_linear_kernel(x, weight, scale, bias=None, act_quant=True, act_peak=224.
 def bf16_linear_kernel(x, weight, bias=None, out_dtype="bfloat16"):
     """``y = round(x @ W.T + bias)``: ``x`` ``[M, K]`` bf16, ``weight`` ``[N, K]`` bf16, ``K % 32 == 0``.
 
+    Also the GEMM of the large-M fp8/fp4 path, over the weight :func:`fp8_dequant_kernel` /
+    :func:`fp4_dequant_kernel` decoded into HBM and the activations ``qdq_fp8_kernel`` rounded.
+
     Tiling as :func:`fp8_linear_kernel`, without qdq or decode: x and W tiles
     (128 x 128) are DMA-transposed from HBM straight into the K-major tiles.
 
     SBUF per partition: staged x <= 64 KiB, wT 4 KiB, bias + output 4 KiB:
-    <= ~72 KiB of 192. PSUM: <= 4 of 8 banks.
+    <= ~72 KiB. PSUM: <= 4 of 8 banks. Instructions (LNC2, per program): 620 at
+    M=128, 2,272 at M=1024 for K=7168, N=2048; 16,864 at M=1024, N=18432.
 
         for each group of <= 4 M tiles:  aT <- dma_transpose(x rows)
             for each N tile of this core:
@@ -262,7 +279,7 @@ def fp32w_linear_kernel(x, weight, bias=None, out_dtype="bfloat16"):
     copied to bf16 by the engine (round to nearest even) before its transposes.
 
     SBUF per partition: staged x <= 64 KiB, fp32 + bf16 weight tile 3 KiB, wT 4 KiB,
-    bias + output 4 KiB: <= ~75 KiB of 192. PSUM: <= 4 of 8 banks.
+    bias + output 4 KiB: <= ~75 KiB. PSUM: <= 4 of 8 banks.
 
         for each group of <= 4 M tiles:  aT <- dma_transpose(x rows)
             for each N tile of this core:
@@ -271,3 +288,48 @@ def fp32w_linear_kernel(x, weight, bias=None, out_dtype="bfloat16"):
                 y <- round(acc + bias)
     """
     return _linear(x, weight, None, bias, "fp32w", False, 224.0, out_dtype)
+
+
+# --------------------------------------------------------------------------- #
+# large M: decode each weight tile once, into an HBM scratch
+# --------------------------------------------------------------------------- #
+
+
+def _dequant(weight, scale, fmt, block_rows, block_cols, k):
+    n = weight.shape[0]
+    w16 = nl.ndarray((n, k), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="w_bf16")
+    r_lo, r_hi = _core_span(n)
+    for row0 in range(r_lo, r_hi, PT):
+        rows = min(PT, r_hi - row0)
+        for c0 in range(0, k, K_CHUNK):
+            kc = min(K_CHUNK, k - c0)
+            if fmt == "fp8":
+                w = decode_fp8_tile(weight, scale, row0, rows, c0, kc, block_rows, block_cols)
+            else:
+                w = decode_fp4_tile(weight, scale, row0, rows, c0, kc)
+            nisa.dma_copy(dst=w16[row0:row0 + rows, c0:c0 + kc], src=w[:rows, 0:kc])
+    return w16
+
+
+@nki.jit
+def fp8_dequant_kernel(weight, scale, block_rows=32, block_cols=32):
+    """bf16 ``W`` ``[N, K]`` in HBM from e4m3 bytes ``[N, K]`` and e8m0 block codes, each tile decoded once.
+
+    The large-M fp8 path: the weight is decoded here once, then :func:`bf16_linear_kernel` runs the
+    GEMM over M in chunks (:mod:`.launch` ``GEMM_M_CHUNK``), instead of decoding every weight tile again
+    for every group of 4 M tiles. Exact for codes in ``[3, 246]`` (:mod:`.decode`).
+
+    Tiling: 128 weight rows x 512 K columns per step, rows split between LNC cores in whole 128-row
+    blocks. SBUF per partition: the decode's ~15.6 KiB. PSUM: none. Instructions per program:
+    ``~16 x ceil(N / 128 / lnc) x ceil(K / 512)``.
+    """
+    return _dequant(weight, scale, "fp8", block_rows, block_cols, weight.shape[1])
+
+
+@nki.jit
+def fp4_dequant_kernel(weight, scale):
+    """bf16 ``W`` ``[N, K]`` in HBM from packed e2m1 ``[N, K/2]`` and 1x32 e8m0 codes, each tile decoded once.
+
+    As :func:`fp8_dequant_kernel`; exact for codes in ``[1, 252]``. SBUF ~16.3 KiB.
+    """
+    return _dequant(weight, scale, "fp4", 32, 32, 2 * weight.shape[1])
