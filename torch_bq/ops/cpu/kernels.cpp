@@ -1,11 +1,17 @@
 // Fast CPU kernels for torch_bq: block-scaled fp8 / MXFP4 linear and the fp8
 // activation quant-dequant (docs/contract.md §3-4).
 //
-// Built at first use by torch_bq/ops/_backend.py with torch.utils.cpp_extension
-// (-O3, plus -mavx2 -mfma -mf16c and -DTORCH_BQ_AVX2 when the CPU has them).
-// Registered as internal ops `torch.ops.torch_bq_cpu.*`; the public
-// `torch_bq::` ops call them from torch_bq/ops/cpu/linear.py, which also
-// prepares the inputs (A as fp32 [M, K], weight bytes, scale codes).
+// Built once per instruction-set level (torch_bq/ops/cpu/isa.py: generic,
+// avx2, avx512, avx512_bf16), each time from this file with that level's -m
+// flags: at install time by setup.py, or at first use by
+// torch_bq/ops/_backend.py when the installed libraries are missing. Which
+// code a build contains follows from the compiler's own target macros
+// (TORCH_BQ_AVX2 / TORCH_BQ_AVX512 / TORCH_BQ_AVX512_BF16 below), never from
+// the build machine's CPU; _backend picks the library to load from the CPU it
+// runs on. Each level registers its own internal op namespace
+// `torch.ops.torch_bq_cpu_<level>.*`, so several can live in one process; the
+// public `torch_bq::` ops call them from torch_bq/ops/cpu/linear.py, which
+// also prepares the inputs (A as fp32 [M, K], weight bytes, scale codes).
 //
 // Layout and numerics
 // -------------------
@@ -57,16 +63,53 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
+#include <exception>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <mutex>
+#include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
+
+#include <unistd.h>
+
+// Instruction-set level of this build, from the compiler's target macros
+// (cumulative: each level has everything of the one below).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TORCH_BQ_AVX2 1
+#endif
+#if defined(TORCH_BQ_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
+#define TORCH_BQ_AVX512 1
+#endif
+#if defined(TORCH_BQ_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define TORCH_BQ_AVX512_BF16 1
+#endif
+
+#if defined(TORCH_BQ_AVX512_BF16)
+#define TORCH_BQ_ISA avx512_bf16
+#elif defined(TORCH_BQ_AVX512)
+#define TORCH_BQ_ISA avx512
+#elif defined(TORCH_BQ_AVX2)
+#define TORCH_BQ_ISA avx2
+#else
+#define TORCH_BQ_ISA generic
+#endif
+#define TORCH_BQ_STR2(x) #x
+#define TORCH_BQ_STR(x) TORCH_BQ_STR2(x)
+#define TORCH_BQ_CAT2(a, b) a##b
+#define TORCH_BQ_CAT(a, b) TORCH_BQ_CAT2(a, b)
+// The op namespace torch_bq_cpu_<level> (torch_bq/ops/cpu/isa.py: op_namespace).
+#define TORCH_BQ_OPS TORCH_BQ_CAT(torch_bq_cpu_, TORCH_BQ_ISA)
 
 #if defined(TORCH_BQ_AVX2)
 #include <immintrin.h>
@@ -85,6 +128,13 @@ inline uint32_t bits_from_f32(float f) {
   uint32_t b;
   std::memcpy(&b, &f, sizeof b);
   return b;
+}
+
+// torch's float -> bfloat16 (round to nearest even; NaN -> 0x7FC0).
+inline uint16_t bf16_rne(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  const uint32_t b = bits_from_f32(f);
+  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 
 // Exact decode tables (docs/contract.md §1).
@@ -442,22 +492,132 @@ std::vector<float> split_activation_blocks32(const float* A, int64_t M, int64_t 
   return split;
 }
 
-// Runs task(i) for i in [0, count) on torch's intra-op threads. Tasks are
-// handed out from a shared counter rather than split up front, so a thread
-// the OS schedules late (a busy machine) only delays the call by the task it
-// is on, not by a fixed share of the work. Which thread runs a task never
-// changes what the task computes.
+// Runs task(i) for i in [0, count) on torch_bq's own worker threads (as many
+// as torch.get_num_threads(), the caller included). Tasks are handed out
+// from a shared counter, and the call ends when every task is done, without
+// waiting for the workers that never got to one: on a machine whose cores
+// are busy with other processes, a worker the OS schedules late delays the
+// call by at most the task it is on, never by a share of the work or by a
+// barrier. Idle workers sleep on a condition variable (no spinning that
+// would take the core from the threads doing work). Which thread runs a task
+// never changes what the task computes. Nested or concurrent calls run their
+// tasks on the calling thread alone.
+class TaskPool {
+ public:
+  using Body = void (*)(const void* task, int64_t i);
+
+  static TaskPool& instance() {
+    // A forked child has none of the parent's workers (and perhaps a mutex a
+    // worker held): it gets a pool of its own; the old one is left alone.
+    static std::atomic<TaskPool*> pool{nullptr};
+    static std::atomic<pid_t> owner{0};
+    TaskPool* p = pool.load();
+    if (p == nullptr || owner.load() != getpid()) {
+      static std::mutex create;
+      std::lock_guard<std::mutex> lock(create);
+      p = pool.load();
+      if (p == nullptr || owner.load() != getpid()) {
+        p = new TaskPool();  // lives for the process: workers may still be parked on it at exit
+        pool.store(p);
+        owner.store(getpid());
+      }
+    }
+    return *p;
+  }
+
+  void run(int64_t count, int64_t workers, Body body, const void* task) {
+    if (workers <= 1 || in_task() || busy_.exchange(true)) {
+      Scope scope;
+      for (int64_t i = 0; i < count; ++i) body(task, i);
+      return;
+    }
+    Job job{body, task, count};
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      grow(workers - 1);
+      job.seats = workers - 1;
+      job_ = &job;
+      ++generation_;
+    }
+    wake_.notify_all();
+    work(job);
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      job_ = nullptr;  // late workers find nothing to join
+      done_.wait(lock, [&] { return job.active == 0; });
+    }
+    busy_.store(false);
+    if (job.error) std::rethrow_exception(job.error);
+  }
+
+ private:
+  struct Job {
+    Body body;
+    const void* task;
+    int64_t count;
+    std::atomic<int64_t> next{0};
+    int seats = 0;   // workers that may still join (guarded by mutex_)
+    int active = 0;  // workers inside work() (guarded by mutex_)
+    std::exception_ptr error;  // the first task exception (guarded by mutex_)
+  };
+
+  struct Scope {  // marks the thread as running tasks, so nested calls run inline
+    Scope() { in_task() = true; }
+    ~Scope() { in_task() = false; }
+  };
+  static bool& in_task() {
+    static thread_local bool inside = false;
+    return inside;
+  }
+
+  void work(Job& job) {
+    Scope scope;
+    try {
+      for (int64_t i = job.next.fetch_add(1); i < job.count; i = job.next.fetch_add(1)) job.body(job.task, i);
+    } catch (...) {
+      job.next.store(job.count);  // the others stop taking tasks
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!job.error) job.error = std::current_exception();
+    }
+  }
+
+  void grow(int64_t helpers) {  // under mutex_
+    while (static_cast<int64_t>(threads_.size()) < helpers) {
+      threads_.emplace_back([this] { serve(); });
+      threads_.back().detach();
+    }
+  }
+
+  void serve() {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      wake_.wait(lock, [&] { return generation_ != seen; });
+      seen = generation_;
+      Job* job = job_;
+      if (job == nullptr || job->seats == 0) continue;
+      --job->seats;
+      ++job->active;
+      lock.unlock();
+      work(*job);
+      lock.lock();
+      if (--job->active == 0) done_.notify_all();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> threads_;
+  Job* job_ = nullptr;
+  uint64_t generation_ = 0;
+  std::atomic<bool> busy_{false};
+};
+
 template <class Task>
 void run_tasks(int64_t count, const Task& task) {
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), count);
-  if (workers <= 1) {
-    for (int64_t i = 0; i < count; ++i) task(i);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) task(i);
-  });
+  TaskPool::instance().run(count, workers, [](const void* t, int64_t i) { (*static_cast<const Task*>(t))(i); },
+                           &task);
 }
 
 template <class Fmt, class S>
@@ -474,48 +634,392 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 }
 
 // --------------------------------------------------------------------------
-// prefill path: dequantize a panel of rows, then GEMM
+// prefill path: dequantize tiles of W, then a GEMM microkernel per tile
 // --------------------------------------------------------------------------
+//
+// Every task owns kTileRows rows of W (output columns n0 .. n0 + Nt) and
+// computes them for all M rows of A, K chunk by K chunk:
+//   for k-chunk (kc elements, whole scale blocks):
+//     panel[Nt, kc] = dequantize(W[n0:n0+Nt, k-chunk])        (L2-resident)
+//     for m-chunk (kTileCols rows of A):
+//       C^T[Nt, m-chunk] (+)= panel x A^T[k-chunk, m-chunk]   (brgemm, fp32 accumulators)
+//   out[:, n0:n0+Nt] = (C^T)^T
+// The GEMM is oneDNN's brgemm microkernel (at::native::cpublas::brgemm),
+// single-threaded inside each task: the tasks are the only parallelism, so no
+// GEMM-internal barrier waits for a descheduled thread. Accumulation is fp32
+// over the whole of K (C^T is fp32 and accumulates across chunks), so there is
+// one final rounding only, in the caller. Extra memory per task: the panel
+// and an [Nt, M] fp32 tile, independent of N and (beyond kc) of K.
+//
+// Element types of the microkernel:
+// * bf16 x bf16 -> fp32 (builds with AVX512_BF16: vdpbf16ps / AMX): the
+//   decoded weights and A are exact in bf16 (docs/contract.md §1, §3), so the products
+//   are the fp32 products the reference forms. vdpbf16ps treats subnormal
+//   inputs and results as zero, so a tile takes this path only if nothing
+//   subnormal can occur: A and the tile's weights hold no subnormal and the
+//   product of their lowest set bits is at least 2**-126 (every product, and
+//   every fp32 partial sum of them, is then a multiple of that quantum:
+//   zero or normal). Other tiles run the fp32 microkernel.
+// * fp32 x fp32 -> fp32 (AVX2 / AVX-512 builds, fp32 scales, and the tiles above).
+// * The generic build (CPUs without AVX2) keeps at::mm on fp32 panels.
 
+// Tiles run per microkernel since load: bf16, fp32, at::mm panels (tests read
+// them through the prefill_counts op to see which path a call took).
+std::atomic<int64_t> prefill_tiles[3];
+
+constexpr int64_t kTileRows = 64;   // W rows per task (the microkernel's M)
+constexpr int64_t kTileCols = 64;   // A rows per microkernel call (its N)
+constexpr int64_t kChunkElems = 1024;  // target K chunk
+
+// Lowest possible set bit (as an exponent) of any nonzero element, and
+// whether an element is subnormal. kNoSubnormalBits: every value is zero or has
+// its lowest bit at or above 2**low_bit.
+struct LowBits {
+  int low_bit;       // a bound: every nonzero |v| is a multiple of 2**low_bit
+  bool subnormal;    // some nonzero element is an fp32/bf16 subnormal
+};
+
+// A row-major fp32 [M, K] of bf16-exact values: from the exponent fields.
+inline LowBits activation_low_bits(const float* a, int64_t count) {
+  uint32_t min_exp = 255;
+  bool subnormal = false;
+  for (int64_t i = 0; i < count; ++i) {
+    const uint32_t b = bits_from_f32(a[i]) & 0x7FFFFFFFu;
+    const uint32_t e = b >> 23;
+    subnormal |= (e == 0) & (b != 0);
+    min_exp = std::min(min_exp, b == 0 ? 255u : e);
+  }
+  // A bf16-exact value with biased exponent e has its lowest bit >= 2**(e - 127 - 7).
+  return {static_cast<int>(min_exp) - 134, subnormal};
+}
+
+// The A operands a call's microkernels read, built once per call.
+struct GemmOperands {
+  int64_t M = 0, K = 0, Kp = 0;  // Kp: K rounded up to even (bf16 pairs)
+  at::Tensor a32;                // fp32 [M, K]
+  at::Tensor bt32;               // fp32 A^T [K, M], built on first use
+  at::Tensor bt16;               // bf16 A^T in pairs ([Kp/2, M, 2], the VNNI layout), or undefined
+  LowBits a_bits{0, false};
+  std::once_flag bt32_once;
+  const float* at32() {
+    std::call_once(bt32_once, [&] { bt32 = at::empty({K, M}, a32.options()).copy_(a32.t()); });
+    return bt32.data_ptr<float>();
+  }
+};
+
+inline bool brgemm_enabled() {
+  // oneDNN's microkernel is part of MKLDNN; torch.backends.mkldnn.enabled = False switches it off.
+  return at::globalContext().userEnabledMkldnn();
+}
+
+#if defined(TORCH_BQ_AVX512_BF16)
+// Whether oneDNN's bf16 microkernel runs here (it may be capped by ONEDNN_MAX_CPU_ISA).
+bool bf16_brgemm_works() {
+  static const bool works = [] {
+    try {
+      std::vector<at::BFloat16> a(2 * 2, at::BFloat16(1.0f)), b(2 * 16, at::BFloat16(1.0f));
+      std::vector<float> c(2 * 16, 0.0f);
+      at::native::cpublas::brgemm(2, 16, 2, 2, 16, 16, false, a.data(), b.data(), c.data(), true);
+      at::native::cpublas::brgemm_release(true);
+      return c[0] == 2.0f;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }();
+  return works;
+}
+#endif
+
+// The weight side of one task: fills panels with rows [n0, n0 + rows) of W,
+// elements [k0, k1) of each, as fp32 or as bf16 bits, and says the lowest-bit
+// bound of a tile's (decoded) elements.
 template <class Fmt, class S>
-void dequantize_row(const WeightView& w, int64_t n, float* dst) {
-  const int64_t K = w.K;
-  const uint8_t* row = w.data + n * w.row_stride;
-  const S* srow = static_cast<const S*>(w.scale) + (n / w.bn) * w.scale_stride;
-  const int64_t nblocks = (K + w.bk - 1) / w.bk;
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t k0 = b * w.bk, k1 = std::min(K, k0 + w.bk);
-    const float s = scale_value(srow, b);
-    int64_t k = k0;
+struct QuantizedRows {
+  const WeightView& w;
+  int64_t chunk_align() const { return w.bk; }  // chunks hold whole scale blocks
+  // Dequantize elements [k0, k1) (k0 a block start) of row n into dst[0, k1 - k0).
+  void fp32(int64_t n, int64_t k0, int64_t k1, float* dst) const {
+    const uint8_t* row = w.data + n * w.row_stride;
+    const S* srow = static_cast<const S*>(w.scale) + (n / w.bn) * w.scale_stride;
+    for (int64_t b = k0 / w.bk; b * w.bk < k1; ++b) {
+      const int64_t b0 = b * w.bk, b1 = std::min(k1, b0 + w.bk);
+      const float s = scale_value(srow, b);
+      int64_t k = b0;
 #if defined(TORCH_BQ_AVX2)
-    bool ok = true;
-    const float folded = folded_scale<Fmt>(srow, b, ok);
-    if (ok) {
-      const __m256 sv = _mm256_set1_ps(folded);
-      for (; k + 16 <= k1; k += 16) {
-        __m256 w0, w1;
-        Fmt::decode16(row, k, w0, w1);
-        _mm256_storeu_ps(dst + k, _mm256_mul_ps(w0, sv));
-        _mm256_storeu_ps(dst + k + 8, _mm256_mul_ps(w1, sv));
+      bool ok = true;
+      const float folded = folded_scale<Fmt>(srow, b, ok);
+      if (ok) {
+        const __m256 sv = _mm256_set1_ps(folded);
+        for (; k + 16 <= b1; k += 16) {
+          __m256 w0, w1;
+          Fmt::decode16(row, k, w0, w1);
+          _mm256_storeu_ps(dst + k - k0, _mm256_mul_ps(w0, sv));
+          _mm256_storeu_ps(dst + k - k0 + 8, _mm256_mul_ps(w1, sv));
+        }
+      }
+#endif
+      for (; k < b1; ++k) dst[k - k0] = Fmt::scalar(row, k) * s;
+    }
+  }
+  // Lowest-bit bound of the decoded elements [k0, k1) of row n, from the smallest scale code.
+  LowBits low_bits(int64_t n, int64_t k0, int64_t k1) const {
+    if constexpr (!std::is_same_v<S, uint8_t>) {
+      return {0, true};  // fp32 multipliers: w * s is not exact in bf16
+    } else {
+      const uint8_t* srow = static_cast<const uint8_t*>(w.scale) + (n / w.bn) * w.scale_stride;
+      uint32_t min_code = 255;
+      for (int64_t b = k0 / w.bk; b * w.bk < k1; ++b) min_code = std::min<uint32_t>(min_code, srow[b]);
+      // e4m3 values are multiples of 2**-9 (the smallest nonzero one), e2m1 values of 0.5.
+      const int lowest = std::is_same_v<Fmt, Fp4Format> ? -1 : -9;
+      const int low_bit = static_cast<int>(min_code) - 127 + lowest;
+      return {low_bit, low_bit < -126};
+    }
+  }
+  // bf16 bits of the same elements: the top half of each fp32 value, exact
+  // whenever low_bits says the elements are normal (the only case the bf16
+  // microkernel runs). Returns low_bits of the elements.
+  LowBits bf16(int64_t n, int64_t k0, int64_t k1, uint16_t* dst, float* scratch) const {
+#if defined(TORCH_BQ_AVX512)
+    const uint8_t* row = w.data + n * w.row_stride;
+    const S* srow = static_cast<const S*>(w.scale) + (n / w.bn) * w.scale_stride;
+    const bool daz = denormals_are_zero();
+    for (int64_t b = k0 / w.bk; b * w.bk < k1; ++b) {
+      const int64_t b0 = b * w.bk, b1 = std::min(k1, b0 + w.bk);
+      const float s = scale_value(srow, b);
+      bool ok = true;
+      const float folded = folded_scale<Fmt>(srow, b, ok);
+      int64_t k = b0;
+      if constexpr (std::is_same_v<Fmt, Fp8Format> && std::is_same_v<S, uint8_t>) {
+        // Fewer instructions for fp8: sign-extend each byte to 32 bits, shift
+        // left 20, keep the sign and bits 20..26: an fp32 equal to
+        // e4m3(b) * 2**-120 (subnormal for the smallest codes, hence the DAZ
+        // check), times 2**(code - 127 + 120); exact for codes up to 134.
+        if (srow[b] <= 134 && !daz) {
+          const __m512 sv = _mm512_set1_ps(f32_from_bits((uint32_t(srow[b]) + 120) << 23));
+          const __m512i keep = _mm512_set1_epi32(static_cast<int>(0x87F00000u));
+          for (; k + 16 <= b1; k += 16) {
+            const __m512i d = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k)));
+            const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(d, 20), keep)), sv);
+            const __m256i top = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (k - k0)), top);
+          }
+        }
+      }
+      if (ok) {
+        const __m512 sv = _mm512_set1_ps(folded);
+        for (; k + 16 <= b1; k += 16) {
+          __m256 w0, w1;
+          Fmt::decode16(row, k, w0, w1);
+          const __m512 v = _mm512_mul_ps(_mm512_insertf32x8(_mm512_castps256_ps512(w0), w1, 1), sv);
+          const __m256i top = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (k - k0)), top);
+        }
+      }
+      for (; k < b1; ++k) dst[k - k0] = static_cast<uint16_t>(bits_from_f32(Fmt::scalar(row, k) * s) >> 16);
+    }
+#else
+    fp32(n, k0, k1, scratch);
+    for (int64_t k = 0; k < k1 - k0; ++k) dst[k] = static_cast<uint16_t>(bits_from_f32(scratch[k]) >> 16);
+#endif
+    return low_bits(n, k0, k1);
+  }
+};
+
+// bf16 or fp32 weights [N, K] (bf16_linear, fp32w_linear: both use bf16(W)).
+template <class T>
+struct DenseRows {
+  const T* data;
+  int64_t K;
+  int64_t chunk_align() const { return 1; }
+  static uint16_t bf16_of(T v) {
+    if constexpr (std::is_same_v<T, float>) {
+      return bf16_rne(v);
+    } else {
+      return v.x;
+    }
+  }
+  void fp32(int64_t n, int64_t k0, int64_t k1, float* dst) const {
+    const T* row = data + n * K;
+    for (int64_t k = k0; k < k1; ++k) dst[k - k0] = f32_from_bits(uint32_t(bf16_of(row[k])) << 16);
+  }
+  // Copies and scans in one pass (bf16 weights carry no shared scale to read the bound from).
+  LowBits bf16(int64_t n, int64_t k0, int64_t k1, uint16_t* dst, float*) const {
+    const T* row = data + n * K;
+    uint32_t min_exp = 255;
+    bool subnormal = false;
+    int64_t k = k0;
+#if defined(TORCH_BQ_AVX512)
+    {
+      // 32 elements per step: copy (fp32: round to bf16 as torch does, nearest
+      // even on the bits, NaN -> 0x7FC0), and the smallest exponent field
+      // among the nonzero ones.
+      const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
+      __m512i low = _mm512_set1_epi16(255);
+      __mmask32 tiny = 0;
+      for (; k + 32 <= k1; k += 32) {
+        __m512i v;
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          v = _mm512_loadu_si512(reinterpret_cast<const void*>(row + k));
+        } else {
+          __m256i half[2];
+          for (int h = 0; h < 2; ++h) {
+            const __m512 x = _mm512_loadu_ps(row + k + 16 * h);
+            const __m512i b = _mm512_castps_si512(x);
+            const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+            __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+            r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+            half[h] = _mm512_cvtepi32_epi16(r);
+          }
+          v = _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
+        }
+        _mm512_storeu_si512(reinterpret_cast<void*>(dst + (k - k0)), v);
+        const __m512i mag = _mm512_and_si512(v, magnitude);
+        const __mmask32 nonzero = _mm512_test_epi16_mask(mag, mag);
+        const __m512i e = _mm512_srli_epi16(mag, 7);
+        tiny |= _mm512_mask_cmpeq_epi16_mask(nonzero, e, _mm512_setzero_si512());
+        low = _mm512_mask_min_epu16(low, nonzero, low, e);
+      }
+      alignas(64) uint16_t lanes[32];
+      _mm512_store_si512(reinterpret_cast<void*>(lanes), low);
+      for (uint16_t lane : lanes) min_exp = std::min<uint32_t>(min_exp, lane);
+      subnormal = tiny != 0;
+    }
+#endif
+    for (; k < k1; ++k) {
+      const uint16_t v = bf16_of(row[k]);
+      dst[k - k0] = v;
+      const uint32_t b = v & 0x7FFFu, e = b >> 7;
+      subnormal |= (e == 0) & (b != 0);
+      min_exp = std::min(min_exp, b == 0 ? 255u : e);
+    }
+    return {static_cast<int>(min_exp) - 134, subnormal};
+  }
+};
+
+struct TileBuffers {
+  std::vector<float> c;         // [Nt, M] fp32 accumulators (C^T)
+  std::vector<float> panel32;   // [Nt, kc]
+  std::vector<uint16_t> panel16;
+  std::vector<float> scratch;   // one row chunk
+};
+
+inline TileBuffers& tile_buffers() {
+  static thread_local TileBuffers buffers;  // reused: large blocks would be mmap'd and faulted in per call
+  return buffers;
+}
+
+inline int64_t chunk_elems(int64_t align) {
+  // Whole scale blocks, even (bf16 pairs), near kChunkElems.
+  int64_t step = align % 2 == 0 ? align : 2 * align;
+  return std::max<int64_t>(step, kChunkElems / step * step);
+}
+
+// out[:, n0:n0+rows] for one task. With bf16_ok (A allows it), each K chunk
+// whose weights allow it too runs the bf16 microkernel, the others the fp32
+// one; both accumulate into the same fp32 C^T.
+template <class Rows>
+void gemm_tile(const Rows& wr, GemmOperands& ops, int64_t n0, int64_t rows, bool bf16_ok, float* out, int64_t N) {
+  const int64_t M = ops.M, K = ops.K;
+  const int64_t kc = chunk_elems(wr.chunk_align());
+  TileBuffers& buf = tile_buffers();
+  buf.c.resize(rows * M);
+  float* c = buf.c.data();
+  bool all_bf16 = bf16_ok, any_bf16 = false;
+  for (int64_t k0 = 0; k0 < K; k0 += kc) {
+    const int64_t k1 = std::min(K, k0 + kc), width = k1 - k0;
+    bool chunk_bf16 = false;
+#if defined(TORCH_BQ_AVX512_BF16)
+    if (bf16_ok) {
+      const int64_t padded = width + (width & 1);  // pairs with A^T's zero row
+      buf.panel16.resize(rows * padded);
+      buf.scratch.resize(width);
+      uint16_t* p = buf.panel16.data();
+      LowBits bits{std::numeric_limits<int>::max(), false};
+      for (int64_t r = 0; r < rows; ++r) {
+        const LowBits row_bits = wr.bf16(n0 + r, k0, k1, p + r * padded, buf.scratch.data());
+        bits = {std::min(bits.low_bit, row_bits.low_bit), bits.subnormal || row_bits.subnormal};
+        if (padded != width) p[r * padded + width] = 0;
+      }
+      chunk_bf16 = !bits.subnormal && ops.a_bits.low_bit + bits.low_bit >= -126;
+      if (chunk_bf16) {
+        const auto* bt = reinterpret_cast<const at::BFloat16*>(ops.bt16.data_ptr<at::BFloat16>());
+        for (int64_t m0 = 0; m0 < M; m0 += kTileCols) {
+          const int64_t cols = std::min(kTileCols, M - m0);
+          at::native::cpublas::brgemm(rows, cols, padded, padded, M, M, k0 > 0,
+                                      reinterpret_cast<const at::BFloat16*>(p), bt + k0 * M + 2 * m0, c + m0, true);
+        }
+        any_bf16 = true;
       }
     }
 #endif
-    for (; k < k1; ++k) dst[k] = Fmt::scalar(row, k) * s;
+    if (!chunk_bf16) {
+      buf.panel32.resize(rows * width);
+      const float* bt = ops.at32();
+      float* p = buf.panel32.data();
+      for (int64_t r = 0; r < rows; ++r) wr.fp32(n0 + r, k0, k1, p + r * width);
+      for (int64_t m0 = 0; m0 < M; m0 += kTileCols) {
+        const int64_t cols = std::min(kTileCols, M - m0);
+        at::native::cpublas::brgemm(rows, cols, width, width, M, M, k0 > 0, p, bt + k0 * M + m0, c + m0, false);
+      }
+      all_bf16 = false;
+    }
   }
+  if (any_bf16) at::native::cpublas::brgemm_release(true);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t r = 0; r < rows; ++r) out[m * N + n0 + r] = c[r * M + m];
+  prefill_tiles[all_bf16 ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
 }
 
-template <class Fmt, class S>
-void panel_linear(const WeightView& w, const at::Tensor& A, int64_t N, int64_t panel_bytes, at::Tensor& out) {
-  const int64_t K = w.K;
-  const int64_t rows = std::max<int64_t>(8, panel_bytes / (4 * std::max<int64_t>(K, 1)) / 8 * 8);
-  const int64_t panel_rows = std::min(rows, N);
+// at::mm on fp32 panels: CPUs without AVX2 (generic build) or with MKLDNN switched off.
+// Panels of at least kTileRows rows whatever K is (a large K must not shrink them to a few rows).
+template <class Rows>
+void panel_mm(const Rows& wr, const at::Tensor& A, int64_t N, int64_t panel_bytes, at::Tensor& out) {
+  const int64_t K = A.size(1);
+  const int64_t by_bytes = panel_bytes / (4 * std::max<int64_t>(K, 1)) / 8 * 8;
+  const int64_t panel_rows = std::min(N, std::max<int64_t>(panel_bytes <= 1 ? 8 : kTileRows, by_bytes));
   at::Tensor panel = at::empty({panel_rows, K}, A.options());
   float* p = panel.data_ptr<float>();
   for (int64_t n0 = 0; n0 < N; n0 += panel_rows) {
     const int64_t rows_here = std::min(panel_rows, N - n0);
-    run_tasks(rows_here, [&](int64_t r) { dequantize_row<Fmt, S>(w, n0 + r, p + r * K); });
+    run_tasks(rows_here, [&](int64_t r) { wr.fp32(n0 + r, 0, K, p + r * K); });
     out.narrow(1, n0, rows_here).copy_(at::mm(A, panel.narrow(0, 0, rows_here).t()));
+    prefill_tiles[2].fetch_add(1, std::memory_order_relaxed);
   }
+}
+
+// out [M, N] fp32 = A [M, K] (fp32, bf16-exact values) x W^T.
+template <class Rows>
+void prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t panel_bytes, at::Tensor& out) {
+#if defined(TORCH_BQ_AVX2)
+  if (brgemm_enabled()) {
+    GemmOperands ops;
+    ops.M = A.size(0);
+    ops.K = A.size(1);
+    ops.a32 = A;
+    bool bf16 = false;
+#if defined(TORCH_BQ_AVX512_BF16)
+    ops.a_bits = activation_low_bits(A.data_ptr<float>(), A.numel());
+    bf16 = !ops.a_bits.subnormal && bf16_brgemm_works();
+    if (bf16) {
+      ops.Kp = ops.K + (ops.K & 1);
+      at::Tensor a16 = A.to(at::kBFloat16);  // exact
+      if (ops.Kp != ops.K) a16 = at::constant_pad_nd(a16, {0, 1});
+      // (k, k+1) pairs of one A row are one int32: A^T in pairs is the int32 transpose.
+      at::Tensor pairs = at::empty({ops.Kp / 2, ops.M}, A.options().dtype(at::kInt));
+      pairs.copy_(a16.view(at::kInt).t());
+      ops.bt16 = pairs.view(at::kBFloat16);
+    }
+#endif
+    const int64_t tasks = (N + kTileRows - 1) / kTileRows;
+    float* o = out.data_ptr<float>();
+    run_tasks(tasks, [&](int64_t t) {
+      const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
+      gemm_tile(wr, ops, n0, rows, bf16, o, N);
+    });
+    return;
+  }
+#endif
+  panel_mm(wr, A, N, panel_bytes, out);
 }
 
 // --------------------------------------------------------------------------
@@ -550,9 +1054,9 @@ at::Tensor linear(const at::Tensor& a, const at::Tensor& weight, const at::Tenso
         decode_linear<Fmt, float>(w, a.data_ptr<float>(), M, N, out.data_ptr<float>());
     } else {
       if (codes)
-        panel_linear<Fmt, uint8_t>(w, a, N, panel_bytes, out);
+        prefill_linear(QuantizedRows<Fmt, uint8_t>{w}, a, N, panel_bytes, out);
       else
-        panel_linear<Fmt, float>(w, a, N, panel_bytes, out);
+        prefill_linear(QuantizedRows<Fmt, float>{w}, a, N, panel_bytes, out);
     }
   }
   if (bias.has_value()) {
@@ -568,6 +1072,30 @@ at::Tensor fp8_linear(const at::Tensor& a, const at::Tensor& weight, const at::T
   return linear<Fp8Format>(a, weight, scale, bias, bn, bk, decode_max_m, panel_bytes);
 }
 
+// bf16_linear / fp32w_linear: a fp32 [M, K] (bf16-exact), weight bf16 or fp32 [N, K]
+// (fp32 weights are narrowed to bf16 element by element, as the reference does).
+at::Tensor dense_linear(const at::Tensor& a, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        int64_t panel_bytes) {
+  check(a.dim() == 2 && a.scalar_type() == at::kFloat && a.is_contiguous(), "a must be contiguous fp32 [M, K]");
+  check(weight.dim() == 2 && weight.is_contiguous() &&
+            (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat),
+        "weight must be contiguous bf16 or fp32 [N, K]");
+  const int64_t M = a.size(0), K = a.size(1), N = weight.size(0);
+  check(weight.size(1) == K, "weight row length does not match K");
+  at::Tensor out = at::empty({M, N}, a.options());
+  if (M > 0 && N > 0) {
+    if (weight.scalar_type() == at::kBFloat16)
+      prefill_linear(DenseRows<at::BFloat16>{weight.data_ptr<at::BFloat16>(), K}, a, N, panel_bytes, out);
+    else
+      prefill_linear(DenseRows<float>{weight.data_ptr<float>(), K}, a, N, panel_bytes, out);
+  }
+  if (bias.has_value()) {
+    check(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N, "bias must be fp32 [N]");
+    out.add_(*bias);
+  }
+  return out;
+}
+
 at::Tensor fp4_linear(const at::Tensor& a, const at::Tensor& weight, const at::Tensor& scale,
                       const std::optional<at::Tensor>& bias, int64_t decode_max_m, int64_t panel_bytes) {
   check(scale.scalar_type() == at::kByte, "fp4 scale must be uint8 e8m0 codes");
@@ -581,12 +1109,6 @@ at::Tensor fp4_linear(const at::Tensor& a, const at::Tensor& weight, const at::T
 constexpr int64_t kQdqBlock = 32;
 const uint32_t kAmaxFloorBits = bits_from_f32(1e-4f);
 
-// torch's float -> bfloat16 (round to nearest even; NaN -> 0x7FC0).
-inline uint16_t bf16_rne(float f) {
-  if (std::isnan(f)) return 0x7FC0;
-  const uint32_t b = bits_from_f32(f);
-  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
 
 // Round a magnitude below 480 to E4M3FN, nearest even: subnormals (quantum
 // 2**-9) via the fp32 add of 2**14, normals by rounding the mantissa to 3 bits.
@@ -692,8 +1214,8 @@ void qdq_block32(const uint16_t* x, float recip_peak, void* out, int64_t offset)
 template <bool kF32Out>
 void qdq_rows(const uint16_t* x, int64_t M, int64_t K, float recip_peak, void* out) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
-  at::parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
+  run_tasks((M + grain - 1) / grain, [&](int64_t t) {
+    for (int64_t r = t * grain; r < std::min(M, (t + 1) * grain); ++r) {
       for (int64_t k0 = 0; k0 < K; k0 += kQdqBlock) {
         const int64_t len = std::min(kQdqBlock, K - k0);
 #if defined(TORCH_BQ_AVX2)
@@ -729,10 +1251,21 @@ bool vectorized() {
 #endif
 }
 
+std::vector<int64_t> prefill_counts() {
+  return {prefill_tiles[0].load(), prefill_tiles[1].load(), prefill_tiles[2].load()};
+}
+
+// The level this library was compiled for (torch_bq/ops/cpu/isa.py: LEVELS).
+std::string isa() { return TORCH_BQ_STR(TORCH_BQ_ISA); }
+
 }  // namespace
 }  // namespace torch_bq_cpu
 
-TORCH_LIBRARY(torch_bq_cpu, m) {
+// TORCH_LIBRARY pastes its argument, so the namespace macro is expanded first.
+#define TORCH_BQ_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+
+TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
+  m.def("isa() -> str", &torch_bq_cpu::isa);
   m.def("qdq_fp8(Tensor x, float peak, bool fp32_out) -> Tensor", &torch_bq_cpu::qdq_fp8);
   m.def(
       "fp8_linear(Tensor a, Tensor weight, Tensor scale, Tensor? bias, int bn, int bk, int decode_max_m, "
@@ -740,5 +1273,7 @@ TORCH_LIBRARY(torch_bq_cpu, m) {
       &torch_bq_cpu::fp8_linear);
   m.def("fp4_linear(Tensor a, Tensor weight, Tensor scale, Tensor? bias, int decode_max_m, int panel_bytes) -> Tensor",
         &torch_bq_cpu::fp4_linear);
+  m.def("dense_linear(Tensor a, Tensor weight, Tensor? bias, int panel_bytes) -> Tensor", &torch_bq_cpu::dense_linear);
   m.def("vectorized() -> bool", &torch_bq_cpu::vectorized);
+  m.def("prefill_counts() -> int[]", &torch_bq_cpu::prefill_counts);
 }
