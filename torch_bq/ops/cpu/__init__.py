@@ -5,6 +5,6 @@ reference stays each op's default body and runs whenever the kernels cannot
 be built (see :mod:`torch_bq.ops._backend`).
 """
 
-from .linear import fp4_linear, fp8_linear, qdq_fp8
+from .linear import bf16_linear, fp4_linear, fp8_linear, fp32w_linear, qdq_fp8
 
-__all__ = ["fp8_linear", "fp4_linear", "qdq_fp8"]
+__all__ = ["fp8_linear", "fp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8"]

@@ -1,11 +1,17 @@
 // Fast CPU kernels for torch_bq: block-scaled fp8 / MXFP4 linear and the fp8
 // activation quant-dequant (docs/contract.md §3-4).
 //
-// Built at first use by torch_bq/ops/_backend.py with torch.utils.cpp_extension
-// (-O3, plus -mavx2 -mfma -mf16c and -DTORCH_BQ_AVX2 when the CPU has them).
-// Registered as internal ops `torch.ops.torch_bq_cpu.*`; the public
-// `torch_bq::` ops call them from torch_bq/ops/cpu/linear.py, which also
-// prepares the inputs (A as fp32 [M, K], weight bytes, scale codes).
+// Built once per instruction-set level (torch_bq/ops/cpu/isa.py: generic,
+// avx2, avx512, avx512_bf16), each time from this file with that level's -m
+// flags: at install time by setup.py, or at first use by
+// torch_bq/ops/_backend.py when the installed libraries are missing. Which
+// code a build contains follows from the compiler's own target macros
+// (TORCH_BQ_AVX2 / TORCH_BQ_AVX512 / TORCH_BQ_AVX512_BF16 below), never from
+// the build machine's CPU; _backend picks the library to load from the CPU it
+// runs on. Each level registers its own internal op namespace
+// `torch.ops.torch_bq_cpu_<level>.*`, so several can live in one process; the
+// public `torch_bq::` ops call them from torch_bq/ops/cpu/linear.py, which
+// also prepares the inputs (A as fp32 [M, K], weight bytes, scale codes).
 //
 // Layout and numerics
 // -------------------
@@ -57,6 +63,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -65,8 +72,39 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <mutex>
+#include <string>
 #include <type_traits>
 #include <vector>
+
+// Instruction-set level of this build, from the compiler's target macros
+// (cumulative: each level has everything of the one below).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TORCH_BQ_AVX2 1
+#endif
+#if defined(TORCH_BQ_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
+#define TORCH_BQ_AVX512 1
+#endif
+#if defined(TORCH_BQ_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define TORCH_BQ_AVX512_BF16 1
+#endif
+
+#if defined(TORCH_BQ_AVX512_BF16)
+#define TORCH_BQ_ISA avx512_bf16
+#elif defined(TORCH_BQ_AVX512)
+#define TORCH_BQ_ISA avx512
+#elif defined(TORCH_BQ_AVX2)
+#define TORCH_BQ_ISA avx2
+#else
+#define TORCH_BQ_ISA generic
+#endif
+#define TORCH_BQ_STR2(x) #x
+#define TORCH_BQ_STR(x) TORCH_BQ_STR2(x)
+#define TORCH_BQ_CAT2(a, b) a##b
+#define TORCH_BQ_CAT(a, b) TORCH_BQ_CAT2(a, b)
+// The op namespace torch_bq_cpu_<level> (torch_bq/ops/cpu/isa.py: op_namespace).
+#define TORCH_BQ_OPS TORCH_BQ_CAT(torch_bq_cpu_, TORCH_BQ_ISA)
 
 #if defined(TORCH_BQ_AVX2)
 #include <immintrin.h>
@@ -85,6 +123,13 @@ inline uint32_t bits_from_f32(float f) {
   uint32_t b;
   std::memcpy(&b, &f, sizeof b);
   return b;
+}
+
+// torch's float -> bfloat16 (round to nearest even; NaN -> 0x7FC0).
+inline uint16_t bf16_rne(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  const uint32_t b = bits_from_f32(f);
+  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 
 // Exact decode tables (docs/contract.md §1).
@@ -474,48 +519,311 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 }
 
 // --------------------------------------------------------------------------
-// prefill path: dequantize a panel of rows, then GEMM
+// prefill path: dequantize tiles of W, then a GEMM microkernel per tile
 // --------------------------------------------------------------------------
+//
+// Every task owns kTileRows rows of W (output columns n0 .. n0 + Nt) and
+// computes them for all M rows of A, K chunk by K chunk:
+//   for k-chunk (kc elements, whole scale blocks):
+//     panel[Nt, kc] = dequantize(W[n0:n0+Nt, k-chunk])        (L2-resident)
+//     for m-chunk (kTileCols rows of A):
+//       C^T[Nt, m-chunk] (+)= panel x A^T[k-chunk, m-chunk]   (brgemm, fp32 accumulators)
+//   out[:, n0:n0+Nt] = (C^T)^T
+// The GEMM is oneDNN's brgemm microkernel (at::native::cpublas::brgemm),
+// single-threaded inside each task: the tasks are the only parallelism, so no
+// GEMM-internal barrier waits for a descheduled thread. Accumulation is fp32
+// over the whole of K (C^T is fp32 and accumulates across chunks), so there is
+// one final rounding only, in the caller. Extra memory per task: the panel
+// and an [Nt, M] fp32 tile, independent of N and (beyond kc) of K.
+//
+// Element types of the microkernel:
+// * bf16 x bf16 -> fp32 (builds with AVX512_BF16: vdpbf16ps / AMX): the
+//   decoded weights and A are exact in bf16 (SPEC.md §1, §3), so the products
+//   are the fp32 products the reference forms. vdpbf16ps treats subnormal
+//   inputs and results as zero, so a tile takes this path only if nothing
+//   subnormal can occur: A and the tile's weights hold no subnormal and the
+//   product of their lowest set bits is at least 2**-126 (every product, and
+//   every fp32 partial sum of them, is then a multiple of that quantum:
+//   zero or normal). Other tiles run the fp32 microkernel.
+// * fp32 x fp32 -> fp32 (AVX2 / AVX-512 builds, fp32 scales, and the tiles above).
+// * The generic build (CPUs without AVX2) keeps at::mm on fp32 panels.
 
-template <class Fmt, class S>
-void dequantize_row(const WeightView& w, int64_t n, float* dst) {
-  const int64_t K = w.K;
-  const uint8_t* row = w.data + n * w.row_stride;
-  const S* srow = static_cast<const S*>(w.scale) + (n / w.bn) * w.scale_stride;
-  const int64_t nblocks = (K + w.bk - 1) / w.bk;
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t k0 = b * w.bk, k1 = std::min(K, k0 + w.bk);
-    const float s = scale_value(srow, b);
-    int64_t k = k0;
-#if defined(TORCH_BQ_AVX2)
-    bool ok = true;
-    const float folded = folded_scale<Fmt>(srow, b, ok);
-    if (ok) {
-      const __m256 sv = _mm256_set1_ps(folded);
-      for (; k + 16 <= k1; k += 16) {
-        __m256 w0, w1;
-        Fmt::decode16(row, k, w0, w1);
-        _mm256_storeu_ps(dst + k, _mm256_mul_ps(w0, sv));
-        _mm256_storeu_ps(dst + k + 8, _mm256_mul_ps(w1, sv));
-      }
-    }
-#endif
-    for (; k < k1; ++k) dst[k] = Fmt::scalar(row, k) * s;
+// Tiles run per microkernel since load: bf16, fp32, at::mm panels (tests read
+// them through the prefill_counts op to see which path a call took).
+std::atomic<int64_t> prefill_tiles[3];
+
+constexpr int64_t kTileRows = 64;   // W rows per task (the microkernel's M)
+constexpr int64_t kTileCols = 64;   // A rows per microkernel call (its N)
+constexpr int64_t kChunkElems = 1024;  // target K chunk
+
+// Lowest possible set bit (as an exponent) of any nonzero element, and
+// whether an element is subnormal. kNoSubnormalBits: every value is zero or has
+// its lowest bit at or above 2**low_bit.
+struct LowBits {
+  int low_bit;       // a bound: every nonzero |v| is a multiple of 2**low_bit
+  bool subnormal;    // some nonzero element is an fp32/bf16 subnormal
+};
+
+// A row-major fp32 [M, K] of bf16-exact values: from the exponent fields.
+inline LowBits activation_low_bits(const float* a, int64_t count) {
+  uint32_t min_exp = 255;
+  bool subnormal = false;
+  for (int64_t i = 0; i < count; ++i) {
+    const uint32_t b = bits_from_f32(a[i]) & 0x7FFFFFFFu;
+    const uint32_t e = b >> 23;
+    subnormal |= (e == 0) & (b != 0);
+    min_exp = std::min(min_exp, b == 0 ? 255u : e);
   }
+  // A bf16-exact value with biased exponent e has its lowest bit >= 2**(e - 127 - 7).
+  return {static_cast<int>(min_exp) - 134, subnormal};
 }
 
+// The A operands a call's microkernels read, built once per call.
+struct GemmOperands {
+  int64_t M = 0, K = 0, Kp = 0;  // Kp: K rounded up to even (bf16 pairs)
+  at::Tensor a32;                // fp32 [M, K]
+  at::Tensor bt32;               // fp32 A^T [K, M], built on first use
+  at::Tensor bt16;               // bf16 A^T in pairs ([Kp/2, M, 2], the VNNI layout), or undefined
+  LowBits a_bits{0, false};
+  std::once_flag bt32_once;
+  const float* at32() {
+    std::call_once(bt32_once, [&] { bt32 = at::empty({K, M}, a32.options()).copy_(a32.t()); });
+    return bt32.data_ptr<float>();
+  }
+};
+
+inline bool brgemm_enabled() {
+  // oneDNN's microkernel is part of MKLDNN; torch.backends.mkldnn.enabled = False switches it off.
+  return at::globalContext().userEnabledMkldnn();
+}
+
+#if defined(TORCH_BQ_AVX512_BF16)
+// Whether oneDNN's bf16 microkernel runs here (it may be capped by ONEDNN_MAX_CPU_ISA).
+bool bf16_brgemm_works() {
+  static const bool works = [] {
+    try {
+      std::vector<at::BFloat16> a(2 * 2, at::BFloat16(1.0f)), b(2 * 16, at::BFloat16(1.0f));
+      std::vector<float> c(2 * 16, 0.0f);
+      at::native::cpublas::brgemm(2, 16, 2, 2, 16, 16, false, a.data(), b.data(), c.data(), true);
+      at::native::cpublas::brgemm_release(true);
+      return c[0] == 2.0f;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }();
+  return works;
+}
+#endif
+
+// The weight side of one task: fills panels with rows [n0, n0 + rows) of W,
+// elements [k0, k1) of each, as fp32 or as bf16 bits, and says the lowest-bit
+// bound of a tile's (decoded) elements.
 template <class Fmt, class S>
-void panel_linear(const WeightView& w, const at::Tensor& A, int64_t N, int64_t panel_bytes, at::Tensor& out) {
-  const int64_t K = w.K;
-  const int64_t rows = std::max<int64_t>(8, panel_bytes / (4 * std::max<int64_t>(K, 1)) / 8 * 8);
-  const int64_t panel_rows = std::min(rows, N);
+struct QuantizedRows {
+  const WeightView& w;
+  int64_t chunk_align() const { return w.bk; }  // chunks hold whole scale blocks
+  // Dequantize elements [k0, k1) (k0 a block start) of row n into dst[0, k1 - k0).
+  void fp32(int64_t n, int64_t k0, int64_t k1, float* dst) const {
+    const uint8_t* row = w.data + n * w.row_stride;
+    const S* srow = static_cast<const S*>(w.scale) + (n / w.bn) * w.scale_stride;
+    for (int64_t b = k0 / w.bk; b * w.bk < k1; ++b) {
+      const int64_t b0 = b * w.bk, b1 = std::min(k1, b0 + w.bk);
+      const float s = scale_value(srow, b);
+      int64_t k = b0;
+#if defined(TORCH_BQ_AVX2)
+      bool ok = true;
+      const float folded = folded_scale<Fmt>(srow, b, ok);
+      if (ok) {
+        const __m256 sv = _mm256_set1_ps(folded);
+        for (; k + 16 <= b1; k += 16) {
+          __m256 w0, w1;
+          Fmt::decode16(row, k, w0, w1);
+          _mm256_storeu_ps(dst + k - k0, _mm256_mul_ps(w0, sv));
+          _mm256_storeu_ps(dst + k - k0 + 8, _mm256_mul_ps(w1, sv));
+        }
+      }
+#endif
+      for (; k < b1; ++k) dst[k - k0] = Fmt::scalar(row, k) * s;
+    }
+  }
+  // bf16 bits of the same elements (exact when bf16_ok said so: truncation is then exact).
+  void bf16(int64_t n, int64_t k0, int64_t k1, uint16_t* dst, float* scratch) const {
+    fp32(n, k0, k1, scratch);
+    for (int64_t k = 0; k < k1 - k0; ++k) dst[k] = static_cast<uint16_t>(bits_from_f32(scratch[k]) >> 16);
+  }
+  // Lowest-bit bound of rows [n0, n0 + rows): from the smallest scale in them.
+  LowBits low_bits(int64_t n0, int64_t rows) const {
+    if constexpr (!std::is_same_v<S, uint8_t>) {
+      return {0, true};  // fp32 multipliers: w * s is not exact in bf16
+    } else {
+      const int64_t nblocks = (w.K + w.bk - 1) / w.bk;
+      uint32_t min_code = 255;
+      for (int64_t r = n0 / w.bn; r <= (n0 + rows - 1) / w.bn; ++r) {
+        const uint8_t* srow = static_cast<const uint8_t*>(w.scale) + r * w.scale_stride;
+        for (int64_t b = 0; b < nblocks; ++b) min_code = std::min<uint32_t>(min_code, srow[b]);
+      }
+      // fp8: e4m3 values are multiples of 2**-9, the smallest is 2**-9; fp4: e2m1 values are multiples of 0.5.
+      const int lowest = std::is_same_v<Fmt, Fp4Format> ? -1 : -9;
+      const int low_bit = static_cast<int>(min_code) - 127 + lowest;
+      return {low_bit, low_bit < -126};
+    }
+  }
+};
+
+// bf16 or fp32 weights [N, K] (bf16_linear, fp32w_linear: both use bf16(W)).
+template <class T>
+struct DenseRows {
+  const T* data;
+  int64_t K;
+  int64_t chunk_align() const { return 1; }
+  static uint16_t bf16_of(T v) {
+    if constexpr (std::is_same_v<T, float>) {
+      return bf16_rne(v);
+    } else {
+      return v.x;
+    }
+  }
+  void fp32(int64_t n, int64_t k0, int64_t k1, float* dst) const {
+    const T* row = data + n * K;
+    for (int64_t k = k0; k < k1; ++k) dst[k - k0] = f32_from_bits(uint32_t(bf16_of(row[k])) << 16);
+  }
+  void bf16(int64_t n, int64_t k0, int64_t k1, uint16_t* dst, float*) const {
+    const T* row = data + n * K;
+    for (int64_t k = k0; k < k1; ++k) dst[k - k0] = bf16_of(row[k]);
+  }
+  // Scans the rows: bf16 weights carry no shared scale to read it from.
+  LowBits low_bits(int64_t n0, int64_t rows) const {
+    uint32_t min_exp = 255;
+    bool subnormal = false;
+    for (int64_t i = n0 * K; i < (n0 + rows) * K; ++i) {
+      const uint32_t b = bf16_of(data[i]) & 0x7FFFu;
+      const uint32_t e = b >> 7;
+      subnormal |= (e == 0) & (b != 0);
+      min_exp = std::min(min_exp, b == 0 ? 255u : e);
+    }
+    return {static_cast<int>(min_exp) - 134, subnormal};
+  }
+};
+
+struct TileBuffers {
+  std::vector<float> c;         // [Nt, M] fp32 accumulators (C^T)
+  std::vector<float> panel32;   // [Nt, kc]
+  std::vector<uint16_t> panel16;
+  std::vector<float> scratch;   // one row chunk
+};
+
+inline TileBuffers& tile_buffers() {
+  static thread_local TileBuffers buffers;  // reused: large blocks would be mmap'd and faulted in per call
+  return buffers;
+}
+
+inline int64_t chunk_elems(int64_t align) {
+  // Whole scale blocks, even (bf16 pairs), near kChunkElems.
+  int64_t step = align % 2 == 0 ? align : 2 * align;
+  return std::max<int64_t>(step, kChunkElems / step * step);
+}
+
+// out[:, n0:n0+rows] for one task, with the fp32 or the bf16 microkernel.
+template <class Rows>
+void gemm_tile(const Rows& wr, GemmOperands& ops, int64_t n0, int64_t rows, bool use_bf16, float* out, int64_t N) {
+  const int64_t M = ops.M, K = ops.K;
+  const int64_t kc = chunk_elems(wr.chunk_align());
+  TileBuffers& buf = tile_buffers();
+  buf.c.resize(rows * M);
+  float* c = buf.c.data();
+  if (use_bf16) {
+#if defined(TORCH_BQ_AVX512_BF16)
+    buf.panel16.resize(rows * (kc + 1));
+    buf.scratch.resize(kc + 1);
+    const auto* bt = reinterpret_cast<const at::BFloat16*>(ops.bt16.data_ptr<at::BFloat16>());
+    for (int64_t k0 = 0; k0 < K; k0 += kc) {
+      const int64_t k1 = std::min(K, k0 + kc), width = k1 - k0, padded = width + (width & 1);
+      uint16_t* p = buf.panel16.data();
+      for (int64_t r = 0; r < rows; ++r) {
+        wr.bf16(n0 + r, k0, k1, p + r * padded, buf.scratch.data());
+        if (padded != width) p[r * padded + width] = 0;  // pairs with A^T's zero row
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += kTileCols) {
+        const int64_t cols = std::min(kTileCols, M - m0);
+        at::native::cpublas::brgemm(rows, cols, padded, padded, M, M, k0 > 0,
+                                    reinterpret_cast<const at::BFloat16*>(p), bt + k0 * M + 2 * m0, c + m0, true);
+      }
+    }
+    at::native::cpublas::brgemm_release(true);
+#endif
+  } else {
+    buf.panel32.resize(rows * kc);
+    const float* bt = ops.at32();
+    for (int64_t k0 = 0; k0 < K; k0 += kc) {
+      const int64_t k1 = std::min(K, k0 + kc), width = k1 - k0;
+      float* p = buf.panel32.data();
+      for (int64_t r = 0; r < rows; ++r) wr.fp32(n0 + r, k0, k1, p + r * width);
+      for (int64_t m0 = 0; m0 < M; m0 += kTileCols) {
+        const int64_t cols = std::min(kTileCols, M - m0);
+        at::native::cpublas::brgemm(rows, cols, width, width, M, M, k0 > 0, p, bt + k0 * M + m0, c + m0, false);
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t r = 0; r < rows; ++r) out[m * N + n0 + r] = c[r * M + m];
+  prefill_tiles[use_bf16 ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
+}
+
+// at::mm on fp32 panels: CPUs without AVX2 (generic build) or with MKLDNN switched off.
+// Panels of at least kTileRows rows whatever K is (a large K must not shrink them to a few rows).
+template <class Rows>
+void panel_mm(const Rows& wr, const at::Tensor& A, int64_t N, int64_t panel_bytes, at::Tensor& out) {
+  const int64_t K = A.size(1);
+  const int64_t by_bytes = panel_bytes / (4 * std::max<int64_t>(K, 1)) / 8 * 8;
+  const int64_t panel_rows = std::min(N, std::max<int64_t>(panel_bytes <= 1 ? 8 : kTileRows, by_bytes));
   at::Tensor panel = at::empty({panel_rows, K}, A.options());
   float* p = panel.data_ptr<float>();
   for (int64_t n0 = 0; n0 < N; n0 += panel_rows) {
     const int64_t rows_here = std::min(panel_rows, N - n0);
-    run_tasks(rows_here, [&](int64_t r) { dequantize_row<Fmt, S>(w, n0 + r, p + r * K); });
+    run_tasks(rows_here, [&](int64_t r) { wr.fp32(n0 + r, 0, K, p + r * K); });
     out.narrow(1, n0, rows_here).copy_(at::mm(A, panel.narrow(0, 0, rows_here).t()));
+    prefill_tiles[2].fetch_add(1, std::memory_order_relaxed);
   }
+}
+
+// out [M, N] fp32 = A [M, K] (fp32, bf16-exact values) x W^T.
+template <class Rows>
+void prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t panel_bytes, at::Tensor& out) {
+#if defined(TORCH_BQ_AVX2)
+  if (brgemm_enabled()) {
+    GemmOperands ops;
+    ops.M = A.size(0);
+    ops.K = A.size(1);
+    ops.a32 = A;
+    bool bf16 = false;
+#if defined(TORCH_BQ_AVX512_BF16)
+    ops.a_bits = activation_low_bits(A.data_ptr<float>(), A.numel());
+    bf16 = !ops.a_bits.subnormal && bf16_brgemm_works();
+    if (bf16) {
+      ops.Kp = ops.K + (ops.K & 1);
+      at::Tensor a16 = A.to(at::kBFloat16);  // exact
+      if (ops.Kp != ops.K) a16 = at::constant_pad_nd(a16, {0, 1});
+      // (k, k+1) pairs of one A row are one int32: A^T in pairs is the int32 transpose.
+      at::Tensor pairs = at::empty({ops.Kp / 2, ops.M}, A.options().dtype(at::kInt));
+      pairs.copy_(a16.view(at::kInt).t());
+      ops.bt16 = pairs.view(at::kBFloat16);
+    }
+#endif
+    const int64_t tasks = (N + kTileRows - 1) / kTileRows;
+    float* o = out.data_ptr<float>();
+    run_tasks(tasks, [&](int64_t t) {
+      const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
+      bool use_bf16 = bf16;
+      if (use_bf16) {
+        const LowBits wb = wr.low_bits(n0, rows);
+        use_bf16 = !wb.subnormal && ops.a_bits.low_bit + wb.low_bit >= -126;
+      }
+      gemm_tile(wr, ops, n0, rows, use_bf16, o, N);
+    });
+    return;
+  }
+#endif
+  panel_mm(wr, A, N, panel_bytes, out);
 }
 
 // --------------------------------------------------------------------------
@@ -550,9 +858,9 @@ at::Tensor linear(const at::Tensor& a, const at::Tensor& weight, const at::Tenso
         decode_linear<Fmt, float>(w, a.data_ptr<float>(), M, N, out.data_ptr<float>());
     } else {
       if (codes)
-        panel_linear<Fmt, uint8_t>(w, a, N, panel_bytes, out);
+        prefill_linear(QuantizedRows<Fmt, uint8_t>{w}, a, N, panel_bytes, out);
       else
-        panel_linear<Fmt, float>(w, a, N, panel_bytes, out);
+        prefill_linear(QuantizedRows<Fmt, float>{w}, a, N, panel_bytes, out);
     }
   }
   if (bias.has_value()) {
@@ -568,6 +876,30 @@ at::Tensor fp8_linear(const at::Tensor& a, const at::Tensor& weight, const at::T
   return linear<Fp8Format>(a, weight, scale, bias, bn, bk, decode_max_m, panel_bytes);
 }
 
+// bf16_linear / fp32w_linear: a fp32 [M, K] (bf16-exact), weight bf16 or fp32 [N, K]
+// (fp32 weights are narrowed to bf16 element by element, as the reference does).
+at::Tensor dense_linear(const at::Tensor& a, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        int64_t panel_bytes) {
+  check(a.dim() == 2 && a.scalar_type() == at::kFloat && a.is_contiguous(), "a must be contiguous fp32 [M, K]");
+  check(weight.dim() == 2 && weight.is_contiguous() &&
+            (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat),
+        "weight must be contiguous bf16 or fp32 [N, K]");
+  const int64_t M = a.size(0), K = a.size(1), N = weight.size(0);
+  check(weight.size(1) == K, "weight row length does not match K");
+  at::Tensor out = at::empty({M, N}, a.options());
+  if (M > 0 && N > 0) {
+    if (weight.scalar_type() == at::kBFloat16)
+      prefill_linear(DenseRows<at::BFloat16>{weight.data_ptr<at::BFloat16>(), K}, a, N, panel_bytes, out);
+    else
+      prefill_linear(DenseRows<float>{weight.data_ptr<float>(), K}, a, N, panel_bytes, out);
+  }
+  if (bias.has_value()) {
+    check(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N, "bias must be fp32 [N]");
+    out.add_(*bias);
+  }
+  return out;
+}
+
 at::Tensor fp4_linear(const at::Tensor& a, const at::Tensor& weight, const at::Tensor& scale,
                       const std::optional<at::Tensor>& bias, int64_t decode_max_m, int64_t panel_bytes) {
   check(scale.scalar_type() == at::kByte, "fp4 scale must be uint8 e8m0 codes");
@@ -581,12 +913,6 @@ at::Tensor fp4_linear(const at::Tensor& a, const at::Tensor& weight, const at::T
 constexpr int64_t kQdqBlock = 32;
 const uint32_t kAmaxFloorBits = bits_from_f32(1e-4f);
 
-// torch's float -> bfloat16 (round to nearest even; NaN -> 0x7FC0).
-inline uint16_t bf16_rne(float f) {
-  if (std::isnan(f)) return 0x7FC0;
-  const uint32_t b = bits_from_f32(f);
-  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
 
 // Round a magnitude below 480 to E4M3FN, nearest even: subnormals (quantum
 // 2**-9) via the fp32 add of 2**14, normals by rounding the mantissa to 3 bits.
@@ -729,10 +1055,21 @@ bool vectorized() {
 #endif
 }
 
+std::vector<int64_t> prefill_counts() {
+  return {prefill_tiles[0].load(), prefill_tiles[1].load(), prefill_tiles[2].load()};
+}
+
+// The level this library was compiled for (torch_bq/ops/cpu/isa.py: LEVELS).
+std::string isa() { return TORCH_BQ_STR(TORCH_BQ_ISA); }
+
 }  // namespace
 }  // namespace torch_bq_cpu
 
-TORCH_LIBRARY(torch_bq_cpu, m) {
+// TORCH_LIBRARY pastes its argument, so the namespace macro is expanded first.
+#define TORCH_BQ_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+
+TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
+  m.def("isa() -> str", &torch_bq_cpu::isa);
   m.def("qdq_fp8(Tensor x, float peak, bool fp32_out) -> Tensor", &torch_bq_cpu::qdq_fp8);
   m.def(
       "fp8_linear(Tensor a, Tensor weight, Tensor scale, Tensor? bias, int bn, int bk, int decode_max_m, "
@@ -740,5 +1077,7 @@ TORCH_LIBRARY(torch_bq_cpu, m) {
       &torch_bq_cpu::fp8_linear);
   m.def("fp4_linear(Tensor a, Tensor weight, Tensor scale, Tensor? bias, int decode_max_m, int panel_bytes) -> Tensor",
         &torch_bq_cpu::fp4_linear);
+  m.def("dense_linear(Tensor a, Tensor weight, Tensor? bias, int panel_bytes) -> Tensor", &torch_bq_cpu::dense_linear);
   m.def("vectorized() -> bool", &torch_bq_cpu::vectorized);
+  m.def("prefill_counts() -> int[]", &torch_bq_cpu::prefill_counts);
 }

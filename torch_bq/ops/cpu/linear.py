@@ -1,18 +1,21 @@
-"""CPU kernels of ``torch_bq::fp8_linear``, ``fp4_linear`` and ``qdq_fp8``.
+"""CPU kernels of ``torch_bq::fp8_linear``, ``fp4_linear``, ``bf16_linear``, ``fp32w_linear`` and ``qdq_fp8``.
 
 Twins of :mod:`torch_bq.reference.linear` and :func:`torch_bq.formats.qdq_fp8`:
 same positional signatures, same results (qdq bit-exact; linear up to fp32
 summation order). The math lives in ``kernels.cpp`` (see its header for the
 decode / prefill layouts); this module prepares the operands and falls back
-to the reference when the compiled kernels are unavailable.
+to the reference when the compiled kernels are unavailable. The kernels of the
+ISA level :mod:`torch_bq.ops._backend` selected run; ``_backend.fast_kernels_disabled()``
+switches these registrations off (torch.library's ``set_kernel_enabled``).
 
 Tuning:
 
 * ``DECODE_MAX_M``: up to this many rows the weight is decoded inside the dot
   product (memory-bound decode); above it, panels of the weight are dequantized
   and fed to a GEMM (compute-bound prefill).
-* ``PANEL_BYTES``: the fp32 panel size of the prefill path, the only extra
-  memory a call needs besides its activation and output (independent of N x K).
+* ``PANEL_BYTES``: the fp32 panel size of the prefill path where it runs at::mm
+  (the generic build, or MKLDNN switched off); the microkernel path of the
+  other builds uses fixed 64-row tiles (see kernels.cpp).
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import torch
 from ... import formats
 from ...reference import linear as ref
 from .. import _backend
+from .. import linear as op_defs
 
-__all__ = ["DECODE_MAX_M", "PANEL_BYTES", "fp8_linear", "fp4_linear", "qdq_fp8"]
+__all__ = ["DECODE_MAX_M", "PANEL_BYTES", "fp8_linear", "fp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8"]
 
 DECODE_MAX_M = 16
 PANEL_BYTES = 4 << 20
@@ -98,6 +102,30 @@ def fp4_linear(
     return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
+def _dense_linear(x, weight, bias, out_dtype, weight_dtype, reference):
+    kernels = _backend.cpu_kernels()
+    if kernels is None:
+        return reference(x, weight, bias, out_dtype)
+    ref.check_dense_linear_args(x, weight, bias, out_dtype, weight_dtype)
+    a = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).to(torch.float32).contiguous()
+    y = kernels.dense_linear(a, weight.contiguous(), _bias(bias), PANEL_BYTES)
+    return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def bf16_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``[..., K] x bf16 [N, K] -> [..., N]``; see :func:`torch_bq.ops.bf16_linear`."""
+    return _dense_linear(x, weight, bias, out_dtype, torch.bfloat16, ref.bf16_linear)
+
+
+def fp32w_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``[..., K] x fp32 [N, K] -> [..., N]`` (weight narrowed to bf16); see :func:`torch_bq.ops.fp32w_linear`."""
+    return _dense_linear(x, weight, bias, out_dtype, torch.float32, ref.fp32w_linear)
+
+
 def qdq_fp8(x: torch.Tensor, peak: float) -> torch.Tensor:
     """``[..., K]`` float -> ``[..., K]`` bfloat16, bit-exact with :func:`torch_bq.formats.qdq_fp8`."""
     kernels = _backend.cpu_kernels()
@@ -110,6 +138,8 @@ def qdq_fp8(x: torch.Tensor, peak: float) -> torch.Tensor:
     return kernels.qdq_fp8(x2, float(peak), False).reshape(x.shape)
 
 
-torch.library.register_kernel("torch_bq::fp8_linear", "cpu", fp8_linear)
-torch.library.register_kernel("torch_bq::fp4_linear", "cpu", fp4_linear)
-torch.library.register_kernel("torch_bq::qdq_fp8", "cpu", qdq_fp8)
+_backend.register_fast_kernel(op_defs._fp8_linear, "cpu", fp8_linear)
+_backend.register_fast_kernel(op_defs._fp4_linear, "cpu", fp4_linear)
+_backend.register_fast_kernel(op_defs._qdq_fp8, "cpu", qdq_fp8)
+_backend.register_fast_kernel(op_defs._bf16_linear, "cpu", bf16_linear)
+_backend.register_fast_kernel(op_defs._fp32w_linear, "cpu", fp32w_linear)
