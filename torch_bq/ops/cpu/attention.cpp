@@ -33,9 +33,14 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "isa.h"
+
+#if defined(TORCH_BQ_AVX512_BF16)
+#include <immintrin.h>
+#endif
 
 namespace torch_bq_cpu_attention {
 namespace {
@@ -65,16 +70,19 @@ inline vf splat(float x) { return vf{} + x; }
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// C[kTileRows x kTileCols] = A[kTileRows x K] (row stride lda) * B[K x kTileCols] (row stride ldb).
-inline void tile(const float* A, int64_t lda, const float* B, int64_t ldb, int64_t K, float* C, int64_t ldc) {
+// C[kTileRows x kTileCols] = A[kTileRows x K] * B[K x kTileCols], with A's element
+// (r, k) at A[r * a_row + k * a_k] (so A may be read transposed) and B row-major.
+inline void tile(const float* A, int64_t a_row, int64_t a_k, const float* B, int64_t ldb, int64_t K, float* C,
+                 int64_t ldc) {
   vf acc[kTileRows][2];
 #pragma GCC unroll 8
   for (int r = 0; r < kTileRows; ++r) acc[r][0] = acc[r][1] = vf{};
   for (int64_t k = 0; k < K; ++k) {
     const vf b0 = load(B + k * ldb), b1 = load(B + k * ldb + kLanes);
+    const float* ak = A + k * a_k;
 #pragma GCC unroll 8
     for (int r = 0; r < kTileRows; ++r) {
-      const float a = A[r * lda + k];
+      const float a = ak[r * a_row];
       acc[r][0] += a * b0;
       acc[r][1] += a * b1;
     }
@@ -86,11 +94,12 @@ inline void tile(const float* A, int64_t lda, const float* B, int64_t ldb, int64
   }
 }
 
-// C[rows x cols] = A[rows x K] B[K x cols]; rows, cols multiples of the tile.
-void matmul(const float* A, int64_t lda, const float* B, int64_t ldb, int64_t K, float* C, int64_t ldc, int64_t rows,
-            int64_t cols) {
+// C[rows x cols] = A[rows x K] B[K x cols] (A strided as in tile); rows, cols multiples of the tile.
+void matmul(const float* A, int64_t a_row, int64_t a_k, const float* B, int64_t ldb, int64_t K, float* C, int64_t ldc,
+            int64_t rows, int64_t cols) {
   for (int64_t t = 0; t < rows; t += kTileRows)
-    for (int64_t c = 0; c < cols; c += kTileCols) tile(A + t * lda, lda, B + c, ldb, K, C + t * ldc + c, ldc);
+    for (int64_t c = 0; c < cols; c += kTileCols)
+      tile(A + t * a_row, a_row, a_k, B + c, ldb, K, C + t * ldc + c, ldc);
 }
 
 // e^x for x <= 0 (Cody-Waite reduction, Cephes' degree-6 polynomial: about 1 ulp).
@@ -153,8 +162,10 @@ void attention_impl(const float* q, const Elem* kc, const Elem* vc, const CacheV
                     int64_t max_blocks, const int64_t* positions, const int32_t* seq_lens, int64_t requests,
                     int64_t rpr, int64_t hq, int64_t window, bool causal, float scale, int64_t chunk, float* out) {
   const int64_t d = cv.d, hkv = cv.hkv, group = hq / hkv, bs = cv.block_size;
-  const int64_t T = rpr * group, Tp = round_up(T, kTileRows), Dp = round_up(d, kTileCols);
-  const int64_t Cp = round_up(chunk, kTileCols);
+  // T query rows per (request, KV head): Tq padded for the score tiles' columns, Tr for
+  // the output tiles' rows; Dp: head_dim padded for the output tiles' columns.
+  const int64_t T = rpr * group, Tq = round_up(T, kTileCols), Tr = round_up(T, kTileRows);
+  const int64_t Dp = round_up(d, kTileCols), Cr = round_up(chunk, kTileRows);
 
   // Each request's keys [lo, hi): lo from its lowest row position, hi = seq_len.
   std::vector<Split> splits;
@@ -182,86 +193,102 @@ void attention_impl(const float* q, const Elem* kc, const Elem* vc, const CacheV
   }
   first_split[requests * hkv] = static_cast<int64_t>(splits.size());
 
-  // Query tiles [requests, hkv, Tp, Dp], zero-padded.
-  std::vector<float> qt(requests * hkv * Tp * Dp, 0.0f);
+  // Transposed query tiles Q^T [requests, hkv, d, Tq], zero-padded.
+  std::vector<float> qt(requests * hkv * d * Tq, 0.0f);
   for (int64_t r = 0; r < requests; ++r)
     for (int64_t i = 0; i < rpr; ++i)
       for (int64_t h = 0; h < hq; ++h) {
         const int64_t g = h / group, t = i * group + h % group;
-        std::memcpy(&qt[((r * hkv + g) * Tp + t) * Dp], q + ((r * rpr + i) * hq + h) * d, d * sizeof(float));
+        const float* src = q + ((r * rpr + i) * hq + h) * d;
+        float* dst = &qt[(r * hkv + g) * d * Tq + t];
+        for (int64_t e = 0; e < d; ++e) dst[e * Tq] = src[e];
       }
 
+  // The splits' partials. Every split writes all of its rows, so the buffers need no
+  // initialisation; they are kept per calling thread (no page faults on every call).
   const int64_t nsplits = static_cast<int64_t>(splits.size());
-  std::vector<float> part_o(nsplits * Tp * Dp), part_m(nsplits * Tp), part_l(nsplits * Tp);
+  thread_local std::vector<float> part_o, part_m, part_l;
+  part_o.resize(std::max<size_t>(part_o.size(), nsplits * Tr * Dp));
+  part_m.resize(std::max<size_t>(part_m.size(), nsplits * Tq));
+  part_l.resize(std::max<size_t>(part_l.size(), nsplits * Tq));
 
   run_tasks(nsplits, [&](int64_t index) {
     const Split& sp = splits[index];
-    const int64_t r = sp.request, g = sp.head, n = sp.j1 - sp.j0;
-    thread_local std::vector<float> kt, vv, s;
-    kt.resize(Dp * Cp);
-    vv.resize(Cp * Dp);
-    s.resize(Tp * Cp);
-    // K^T [Dp, Cp] and V [Cp, Dp] in float32, zero outside [n, d).
-    std::fill(kt.begin(), kt.end(), 0.0f);
+    const int64_t r = sp.request, g = sp.head, n = sp.j1 - sp.j0, rows = round_up(n, kTileRows);
+    // K [rows, d], V [rows, Dp] in float32 (padding zero) and the scores S^T [rows, Tq].
+    thread_local std::vector<float> kf, vv, st;
+    thread_local std::vector<int32_t> vis_lo, vis_hi;
+    kf.resize(Cr * d);
+    vv.resize(Cr * Dp);
+    st.resize(Cr * Tq);
+    vis_lo.resize(Tq);
+    vis_hi.resize(Tq);
     for (int64_t jj = 0; jj < n; ++jj) {
       const int64_t j = sp.j0 + jj;
       const int64_t phys = table[r * max_blocks + j / bs];
       const Elem* kp = kc + phys * cv.s0 + (j % bs) * cv.s1 + g * cv.s2;
       const Elem* vp = vc + phys * vcv.s0 + (j % bs) * vcv.s1 + g * vcv.s2;
+      float* krow = kf.data() + jj * d;
       float* vrow = vv.data() + jj * Dp;
-      for (int64_t e = 0; e < d; ++e) {
-        kt[e * Cp + jj] = static_cast<float>(kp[e * cv.s3]);
-        vrow[e] = static_cast<float>(vp[e * vcv.s3]);
+      if (cv.s3 == 1 && vcv.s3 == 1) {
+        for (int64_t e = 0; e < d; ++e) krow[e] = static_cast<float>(kp[e]);
+        for (int64_t e = 0; e < d; ++e) vrow[e] = static_cast<float>(vp[e]);
+      } else {
+        for (int64_t e = 0; e < d; ++e) krow[e] = static_cast<float>(kp[e * cv.s3]);
+        for (int64_t e = 0; e < d; ++e) vrow[e] = static_cast<float>(vp[e * vcv.s3]);
       }
       std::fill(vrow + d, vrow + Dp, 0.0f);
     }
-    std::fill(vv.begin() + n * Dp, vv.end(), 0.0f);
-    const int64_t cols = round_up(n, kTileCols);
+    std::fill(kf.begin() + n * d, kf.begin() + rows * d, 0.0f);
+    std::fill(vv.begin() + n * Dp, vv.begin() + rows * Dp, 0.0f);
 
-    const float* qtile = qt.data() + (r * hkv + g) * Tp * Dp;
-    matmul(qtile, Dp, kt.data(), Cp, Dp, s.data(), Cp, Tp, cols);
+    matmul(kf.data(), d, 1, qt.data() + (r * hkv + g) * d * Tq, Tq, d, st.data(), Tq, rows, Tq);
 
-    float* m_out = part_m.data() + sp.slot * Tp;
-    float* l_out = part_l.data() + sp.slot * Tp;
-    const float neg_inf = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < Tp; ++t) {
-      float* row = s.data() + t * Cp;
-      // The row's visible keys, in split coordinates: [a, b).
+    // Each query row's visible keys in split coordinates, [vis_lo, vis_hi) (empty for padding).
+    for (int64_t t = 0; t < Tq; ++t) {
       int64_t a = 0, b = 0;
       if (t < T) {
         const int64_t p = positions[r * rpr + t / group];
-        a = std::max<int64_t>(0, p - window + 1) - sp.j0;
-        b = (causal ? std::min(sp.j1, p + 1) : sp.j1) - sp.j0;
-        a = std::max<int64_t>(a, 0);
-        b = std::min<int64_t>(b, n);
+        a = std::max<int64_t>(std::max<int64_t>(0, p - window + 1) - sp.j0, 0);
+        b = std::min<int64_t>((causal ? std::min(sp.j1, p + 1) : sp.j1) - sp.j0, n);
       }
-      if (a >= b) {
-        std::fill(row, row + cols, 0.0f);
-        m_out[t] = neg_inf;
-        l_out[t] = 0.0f;
-        continue;
-      }
-      for (int64_t c = 0; c < cols; ++c) row[c] = (c >= a && c < b) ? row[c] * scale : neg_inf;
-      vf mv = splat(neg_inf);
-      for (int64_t c = 0; c < cols; c += kLanes) {
-        const vf x = load(row + c);
-        mv = x > mv ? x : mv;
-      }
-      float m = neg_inf;
-      for (int k = 0; k < kLanes; ++k) m = std::max(m, mv[k]);
-      vf lv = vf{};
-      const vf mm = splat(m);
-      for (int64_t c = 0; c < cols; c += kLanes) {
-        const vf pexp = exp_nonpositive(load(row + c) - mm);
-        store(row + c, pexp);
-        lv += pexp;
-      }
-      float l = 0.0f;
-      for (int k = 0; k < kLanes; ++k) l += lv[k];
-      m_out[t] = m;
-      l_out[t] = l;
+      vis_lo[t] = static_cast<int32_t>(a);
+      vis_hi[t] = static_cast<int32_t>(std::max(a, b));
     }
-    matmul(s.data(), Cp, vv.data(), Dp, cols, part_o.data() + sp.slot * Tp * Dp, Dp, Tp, Dp);
+    // Softmax down the columns of S^T: scale and mask, column max, exp, column sum.
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    float* m_out = part_m.data() + sp.slot * Tq;
+    float* l_out = part_l.data() + sp.slot * Tq;
+    std::fill(m_out, m_out + Tq, neg_inf);
+    std::fill(l_out, l_out + Tq, 0.0f);
+    for (int64_t c = 0; c < rows; ++c) {
+      float* row = st.data() + c * Tq;
+      const vi cc = vi{} + static_cast<int32_t>(c);
+      for (int64_t t = 0; t < Tq; t += kLanes) {
+        vi lo_v, hi_v;
+        std::memcpy(&lo_v, vis_lo.data() + t, sizeof lo_v);
+        std::memcpy(&hi_v, vis_hi.data() + t, sizeof hi_v);
+        const auto visible = (cc >= lo_v) & (cc < hi_v);
+        const vf x = visible ? load(row + t) * scale : splat(neg_inf);
+        store(row + t, x);
+        const vf m = load(m_out + t);
+        store(m_out + t, x > m ? x : m);
+      }
+    }
+    // A column that saw nothing keeps m = -inf; exponentiate it against 0 (exp(-inf) = 0).
+    thread_local std::vector<float> shift;
+    shift.resize(Tq);
+    for (int64_t t = 0; t < Tq; ++t) shift[t] = std::isfinite(m_out[t]) ? m_out[t] : 0.0f;
+    for (int64_t c = 0; c < rows; ++c) {
+      float* row = st.data() + c * Tq;
+      for (int64_t t = 0; t < Tq; t += kLanes) {
+        const vf pexp = exp_nonpositive(load(row + t) - load(shift.data() + t));
+        store(row + t, pexp);
+        store(l_out + t, load(l_out + t) + pexp);
+      }
+    }
+    // O = P V with P read transposed from S^T.
+    matmul(st.data(), 1, Tq, vv.data(), Dp, rows, part_o.data() + sp.slot * Tr * Dp, Dp, Tr, Dp);
   });
 
   // Merge each (request, KV head)'s splits into out [R, hq, d].
@@ -270,15 +297,15 @@ void attention_impl(const float* q, const Elem* kc, const Elem* vc, const CacheV
     std::vector<float> acc(d);
     for (int64_t t = 0; t < T; ++t) {
       float big_m = -std::numeric_limits<float>::infinity();
-      for (int64_t sidx = s0; sidx < s1; ++sidx) big_m = std::max(big_m, part_m[sidx * Tp + t]);
+      for (int64_t sidx = s0; sidx < s1; ++sidx) big_m = std::max(big_m, part_m[sidx * Tq + t]);
       if (!std::isfinite(big_m)) big_m = 0.0f;  // no split saw a key: every weight below is 0
       float big_l = 0.0f;
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t sidx = s0; sidx < s1; ++sidx) {
-        const float w = std::exp(part_m[sidx * Tp + t] - big_m);  // exactly 0 for m = -inf
+        const float w = std::exp(part_m[sidx * Tq + t] - big_m);  // exactly 0 for m = -inf
         if (w == 0.0f) continue;
-        big_l += part_l[sidx * Tp + t] * w;
-        const float* o = part_o.data() + (sidx * Tp + t) * Dp;
+        big_l += part_l[sidx * Tq + t] * w;
+        const float* o = part_o.data() + (sidx * Tr + t) * Dp;
         for (int64_t e = 0; e < d; ++e) acc[e] += o[e] * w;
       }
       const int64_t i = t / group, h = g * group + t % group;
@@ -286,6 +313,47 @@ void attention_impl(const float* q, const Elem* kc, const Elem* vc, const CacheV
       for (int64_t e = 0; e < d; ++e) dst[e] = big_l > 0.0f ? acc[e] / big_l : 0.0f;
     }
   });
+}
+
+// The compute roof the benchmarks compare with (benchmarks/drafter_cpu.py): runs
+// `iters` rounds of independent register-only multiply-adds and returns the
+// floating-point operations done (2 per multiply-add), 0 when this build lacks the
+// instruction. kind "fp32_fma": the vector FMA (multiply, add on the generic build)
+// of the tile kernel above; "bf16_dot": vdpbf16ps (2 bf16 products + add per lane).
+double peak_probe(const std::string& kind, int64_t iters) {
+  constexpr int kChains = 12;  // independent accumulators: more than latency x issue width
+  volatile float sink = 0.0f;
+  if (kind == "fp32_fma") {
+    vf acc[kChains];
+    for (int c = 0; c < kChains; ++c) acc[c] = splat(1.0f + c);
+    const vf mul = splat(0.999999f), add = splat(1e-7f);
+    for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 12
+      for (int c = 0; c < kChains; ++c) acc[c] = acc[c] * mul + add;
+    }
+    vf total = vf{};
+    for (int c = 0; c < kChains; ++c) total += acc[c];
+    sink = total[0];
+    return 2.0 * kChains * kLanes * static_cast<double>(iters);
+  }
+  if (kind == "bf16_dot") {
+#if defined(TORCH_BQ_AVX512_BF16)
+    __m512 acc[kChains];
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(1.0f + c);
+    const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3F80), y = (__m512bh)_mm512_set1_epi16(0x3380);
+    for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 12
+      for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], x, y);
+    }
+    __m512 total = _mm512_setzero_ps();
+    for (int c = 0; c < kChains; ++c) total = _mm512_add_ps(total, acc[c]);
+    sink = _mm512_reduce_add_ps(total);
+    return 4.0 * kChains * 16 * static_cast<double>(iters);
+#else
+    return 0.0;
+#endif
+  }
+  TORCH_CHECK(false, "peak_probe: kind must be \"fp32_fma\" or \"bf16_dot\", got \"", kind, "\"");
 }
 
 void check_cpu(const at::Tensor& t, const char* name) {
@@ -379,6 +447,7 @@ TORCH_BQ_LIBRARY_FRAGMENT(TORCH_BQ_OPS, m) {
       "paged_window_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor positions, "
       "Tensor seq_lens, int rows_per_request, int window, bool causal, float scale, int chunk) -> Tensor",
       &torch_bq_cpu_attention::paged_window_attention);
+  m.def("peak_probe(str kind, int iters) -> float", &torch_bq_cpu_attention::peak_probe);
   m.def("paged_kv_write(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()",
         &torch_bq_cpu_attention::paged_kv_write);
 }
