@@ -357,6 +357,13 @@ def test_bf16_prefill_leaves_tiles_that_could_meet_a_subnormal_to_fp32():
     quiet[4, :] = 100  # rows 128..129
     assert run(quiet, low_x) == [2, 1]
     assert run(None, x, scale=torch.rand(5, 3) + 0.5) == [0, 3]
+    # bf16 weights: scanned while copied; rows 64..127 subnormal (2**-130 and below)
+    w = torch.randn(n, k)
+    w[64:128] *= 2.0**-130
+    before = prefill_counts(level)
+    y = BF16[level](x, w.to(torch.bfloat16), None, torch.float32)
+    assert (prefill_counts(level) - before)[:2].tolist() == [2, 1]
+    assert_linear_close(y, x.to(torch.bfloat16), w.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("level", LEVELS)

@@ -68,14 +68,19 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
+#include <exception>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
+
+#include <unistd.h>
 
 // The ISA level macros (TORCH_BQ_AVX2, TORCH_BQ_AVX512, TORCH_BQ_AVX512_BF16, TORCH_BQ_OPS):
 // one header, shared with attention.cpp.
@@ -462,22 +467,132 @@ std::vector<float> split_activation_blocks32(const float* A, int64_t M, int64_t 
   return split;
 }
 
-// Runs task(i) for i in [0, count) on torch's intra-op threads. Tasks are
-// handed out from a shared counter rather than split up front, so a thread
-// the OS schedules late (a busy machine) only delays the call by the task it
-// is on, not by a fixed share of the work. Which thread runs a task never
-// changes what the task computes.
+// Runs task(i) for i in [0, count) on torch_bq's own worker threads (as many
+// as torch.get_num_threads(), the caller included). Tasks are handed out
+// from a shared counter, and the call ends when every task is done, without
+// waiting for the workers that never got to one: on a machine whose cores
+// are busy with other processes, a worker the OS schedules late delays the
+// call by at most the task it is on, never by a share of the work or by a
+// barrier. Idle workers sleep on a condition variable (no spinning that
+// would take the core from the threads doing work). Which thread runs a task
+// never changes what the task computes. Nested or concurrent calls run their
+// tasks on the calling thread alone.
+class TaskPool {
+ public:
+  using Body = void (*)(const void* task, int64_t i);
+
+  static TaskPool& instance() {
+    // A forked child has none of the parent's workers (and perhaps a mutex a
+    // worker held): it gets a pool of its own; the old one is left alone.
+    static std::atomic<TaskPool*> pool{nullptr};
+    static std::atomic<pid_t> owner{0};
+    TaskPool* p = pool.load();
+    if (p == nullptr || owner.load() != getpid()) {
+      static std::mutex create;
+      std::lock_guard<std::mutex> lock(create);
+      p = pool.load();
+      if (p == nullptr || owner.load() != getpid()) {
+        p = new TaskPool();  // lives for the process: workers may still be parked on it at exit
+        pool.store(p);
+        owner.store(getpid());
+      }
+    }
+    return *p;
+  }
+
+  void run(int64_t count, int64_t workers, Body body, const void* task) {
+    if (workers <= 1 || in_task() || busy_.exchange(true)) {
+      Scope scope;
+      for (int64_t i = 0; i < count; ++i) body(task, i);
+      return;
+    }
+    Job job{body, task, count};
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      grow(workers - 1);
+      job.seats = workers - 1;
+      job_ = &job;
+      ++generation_;
+    }
+    wake_.notify_all();
+    work(job);
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      job_ = nullptr;  // late workers find nothing to join
+      done_.wait(lock, [&] { return job.active == 0; });
+    }
+    busy_.store(false);
+    if (job.error) std::rethrow_exception(job.error);
+  }
+
+ private:
+  struct Job {
+    Body body;
+    const void* task;
+    int64_t count;
+    std::atomic<int64_t> next{0};
+    int seats = 0;   // workers that may still join (guarded by mutex_)
+    int active = 0;  // workers inside work() (guarded by mutex_)
+    std::exception_ptr error;  // the first task exception (guarded by mutex_)
+  };
+
+  struct Scope {  // marks the thread as running tasks, so nested calls run inline
+    Scope() { in_task() = true; }
+    ~Scope() { in_task() = false; }
+  };
+  static bool& in_task() {
+    static thread_local bool inside = false;
+    return inside;
+  }
+
+  void work(Job& job) {
+    Scope scope;
+    try {
+      for (int64_t i = job.next.fetch_add(1); i < job.count; i = job.next.fetch_add(1)) job.body(job.task, i);
+    } catch (...) {
+      job.next.store(job.count);  // the others stop taking tasks
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!job.error) job.error = std::current_exception();
+    }
+  }
+
+  void grow(int64_t helpers) {  // under mutex_
+    while (static_cast<int64_t>(threads_.size()) < helpers) {
+      threads_.emplace_back([this] { serve(); });
+      threads_.back().detach();
+    }
+  }
+
+  void serve() {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      wake_.wait(lock, [&] { return generation_ != seen; });
+      seen = generation_;
+      Job* job = job_;
+      if (job == nullptr || job->seats == 0) continue;
+      --job->seats;
+      ++job->active;
+      lock.unlock();
+      work(*job);
+      lock.lock();
+      if (--job->active == 0) done_.notify_all();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> threads_;
+  Job* job_ = nullptr;
+  uint64_t generation_ = 0;
+  std::atomic<bool> busy_{false};
+};
+
 template <class Task>
 void run_tasks(int64_t count, const Task& task) {
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), count);
-  if (workers <= 1) {
-    for (int64_t i = 0; i < count; ++i) task(i);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) task(i);
-  });
+  TaskPool::instance().run(count, workers, [](const void* t, int64_t i) { (*static_cast<const Task*>(t))(i); },
+                           &task);
 }
 
 template <class Fmt, class S>
@@ -621,27 +736,67 @@ struct QuantizedRows {
       for (; k < b1; ++k) dst[k - k0] = Fmt::scalar(row, k) * s;
     }
   }
-  // bf16 bits of the same elements (exact when bf16_ok said so: truncation is then exact).
-  void bf16(int64_t n, int64_t k0, int64_t k1, uint16_t* dst, float* scratch) const {
-    fp32(n, k0, k1, scratch);
-    for (int64_t k = 0; k < k1 - k0; ++k) dst[k] = static_cast<uint16_t>(bits_from_f32(scratch[k]) >> 16);
-  }
-  // Lowest-bit bound of rows [n0, n0 + rows): from the smallest scale in them.
-  LowBits low_bits(int64_t n0, int64_t rows) const {
+  // Lowest-bit bound of the decoded elements [k0, k1) of row n, from the smallest scale code.
+  LowBits low_bits(int64_t n, int64_t k0, int64_t k1) const {
     if constexpr (!std::is_same_v<S, uint8_t>) {
       return {0, true};  // fp32 multipliers: w * s is not exact in bf16
     } else {
-      const int64_t nblocks = (w.K + w.bk - 1) / w.bk;
+      const uint8_t* srow = static_cast<const uint8_t*>(w.scale) + (n / w.bn) * w.scale_stride;
       uint32_t min_code = 255;
-      for (int64_t r = n0 / w.bn; r <= (n0 + rows - 1) / w.bn; ++r) {
-        const uint8_t* srow = static_cast<const uint8_t*>(w.scale) + r * w.scale_stride;
-        for (int64_t b = 0; b < nblocks; ++b) min_code = std::min<uint32_t>(min_code, srow[b]);
-      }
-      // fp8: e4m3 values are multiples of 2**-9, the smallest is 2**-9; fp4: e2m1 values are multiples of 0.5.
+      for (int64_t b = k0 / w.bk; b * w.bk < k1; ++b) min_code = std::min<uint32_t>(min_code, srow[b]);
+      // e4m3 values are multiples of 2**-9 (the smallest nonzero one), e2m1 values of 0.5.
       const int lowest = std::is_same_v<Fmt, Fp4Format> ? -1 : -9;
       const int low_bit = static_cast<int>(min_code) - 127 + lowest;
       return {low_bit, low_bit < -126};
     }
+  }
+  // bf16 bits of the same elements: the top half of each fp32 value, exact
+  // whenever low_bits says the elements are normal (the only case the bf16
+  // microkernel runs). Returns low_bits of the elements.
+  LowBits bf16(int64_t n, int64_t k0, int64_t k1, uint16_t* dst, float* scratch) const {
+#if defined(TORCH_BQ_AVX512)
+    const uint8_t* row = w.data + n * w.row_stride;
+    const S* srow = static_cast<const S*>(w.scale) + (n / w.bn) * w.scale_stride;
+    const bool daz = denormals_are_zero();
+    for (int64_t b = k0 / w.bk; b * w.bk < k1; ++b) {
+      const int64_t b0 = b * w.bk, b1 = std::min(k1, b0 + w.bk);
+      const float s = scale_value(srow, b);
+      bool ok = true;
+      const float folded = folded_scale<Fmt>(srow, b, ok);
+      int64_t k = b0;
+      if constexpr (std::is_same_v<Fmt, Fp8Format> && std::is_same_v<S, uint8_t>) {
+        // Fewer instructions for fp8: sign-extend each byte to 32 bits, shift
+        // left 20, keep the sign and bits 20..26: an fp32 equal to
+        // e4m3(b) * 2**-120 (subnormal for the smallest codes, hence the DAZ
+        // check), times 2**(code - 127 + 120); exact for codes up to 134.
+        if (srow[b] <= 134 && !daz) {
+          const __m512 sv = _mm512_set1_ps(f32_from_bits((uint32_t(srow[b]) + 120) << 23));
+          const __m512i keep = _mm512_set1_epi32(static_cast<int>(0x87F00000u));
+          for (; k + 16 <= b1; k += 16) {
+            const __m512i d = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k)));
+            const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(d, 20), keep)), sv);
+            const __m256i top = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (k - k0)), top);
+          }
+        }
+      }
+      if (ok) {
+        const __m512 sv = _mm512_set1_ps(folded);
+        for (; k + 16 <= b1; k += 16) {
+          __m256 w0, w1;
+          Fmt::decode16(row, k, w0, w1);
+          const __m512 v = _mm512_mul_ps(_mm512_insertf32x8(_mm512_castps256_ps512(w0), w1, 1), sv);
+          const __m256i top = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (k - k0)), top);
+        }
+      }
+      for (; k < b1; ++k) dst[k - k0] = static_cast<uint16_t>(bits_from_f32(Fmt::scalar(row, k) * s) >> 16);
+    }
+#else
+    fp32(n, k0, k1, scratch);
+    for (int64_t k = 0; k < k1 - k0; ++k) dst[k] = static_cast<uint16_t>(bits_from_f32(scratch[k]) >> 16);
+#endif
+    return low_bits(n, k0, k1);
   }
 };
 
@@ -662,17 +817,37 @@ struct DenseRows {
     const T* row = data + n * K;
     for (int64_t k = k0; k < k1; ++k) dst[k - k0] = f32_from_bits(uint32_t(bf16_of(row[k])) << 16);
   }
-  void bf16(int64_t n, int64_t k0, int64_t k1, uint16_t* dst, float*) const {
+  // Copies and scans in one pass (bf16 weights carry no shared scale to read the bound from).
+  LowBits bf16(int64_t n, int64_t k0, int64_t k1, uint16_t* dst, float*) const {
     const T* row = data + n * K;
-    for (int64_t k = k0; k < k1; ++k) dst[k - k0] = bf16_of(row[k]);
-  }
-  // Scans the rows: bf16 weights carry no shared scale to read it from.
-  LowBits low_bits(int64_t n0, int64_t rows) const {
     uint32_t min_exp = 255;
     bool subnormal = false;
-    for (int64_t i = n0 * K; i < (n0 + rows) * K; ++i) {
-      const uint32_t b = bf16_of(data[i]) & 0x7FFFu;
-      const uint32_t e = b >> 7;
+    int64_t k = k0;
+#if defined(TORCH_BQ_AVX512)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      // 32 elements per step: copy, and the smallest exponent field among the nonzero ones.
+      const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
+      __m512i low = _mm512_set1_epi16(255);
+      __mmask32 tiny = 0;
+      for (; k + 32 <= k1; k += 32) {
+        const __m512i v = _mm512_loadu_si512(reinterpret_cast<const void*>(row + k));
+        _mm512_storeu_si512(reinterpret_cast<void*>(dst + (k - k0)), v);
+        const __m512i mag = _mm512_and_si512(v, magnitude);
+        const __mmask32 nonzero = _mm512_test_epi16_mask(mag, mag);
+        const __m512i e = _mm512_srli_epi16(mag, 7);
+        tiny |= _mm512_mask_cmpeq_epi16_mask(nonzero, e, _mm512_setzero_si512());
+        low = _mm512_mask_min_epu16(low, nonzero, low, e);
+      }
+      alignas(64) uint16_t lanes[32];
+      _mm512_store_si512(reinterpret_cast<void*>(lanes), low);
+      for (uint16_t lane : lanes) min_exp = std::min<uint32_t>(min_exp, lane);
+      subnormal = tiny != 0;
+    }
+#endif
+    for (; k < k1; ++k) {
+      const uint16_t v = bf16_of(row[k]);
+      dst[k - k0] = v;
+      const uint32_t b = v & 0x7FFFu, e = b >> 7;
       subnormal |= (e == 0) & (b != 0);
       min_exp = std::min(min_exp, b == 0 ? 255u : e);
     }
@@ -698,50 +873,60 @@ inline int64_t chunk_elems(int64_t align) {
   return std::max<int64_t>(step, kChunkElems / step * step);
 }
 
-// out[:, n0:n0+rows] for one task, with the fp32 or the bf16 microkernel.
+// out[:, n0:n0+rows] for one task. With bf16_ok (A allows it), each K chunk
+// whose weights allow it too runs the bf16 microkernel, the others the fp32
+// one; both accumulate into the same fp32 C^T.
 template <class Rows>
-void gemm_tile(const Rows& wr, GemmOperands& ops, int64_t n0, int64_t rows, bool use_bf16, float* out, int64_t N) {
+void gemm_tile(const Rows& wr, GemmOperands& ops, int64_t n0, int64_t rows, bool bf16_ok, float* out, int64_t N) {
   const int64_t M = ops.M, K = ops.K;
   const int64_t kc = chunk_elems(wr.chunk_align());
   TileBuffers& buf = tile_buffers();
   buf.c.resize(rows * M);
   float* c = buf.c.data();
-  if (use_bf16) {
+  bool all_bf16 = bf16_ok, any_bf16 = false;
+  for (int64_t k0 = 0; k0 < K; k0 += kc) {
+    const int64_t k1 = std::min(K, k0 + kc), width = k1 - k0;
+    bool chunk_bf16 = false;
 #if defined(TORCH_BQ_AVX512_BF16)
-    buf.panel16.resize(rows * (kc + 1));
-    buf.scratch.resize(kc + 1);
-    const auto* bt = reinterpret_cast<const at::BFloat16*>(ops.bt16.data_ptr<at::BFloat16>());
-    for (int64_t k0 = 0; k0 < K; k0 += kc) {
-      const int64_t k1 = std::min(K, k0 + kc), width = k1 - k0, padded = width + (width & 1);
+    if (bf16_ok) {
+      const int64_t padded = width + (width & 1);  // pairs with A^T's zero row
+      buf.panel16.resize(rows * padded);
+      buf.scratch.resize(width);
       uint16_t* p = buf.panel16.data();
+      LowBits bits{std::numeric_limits<int>::max(), false};
       for (int64_t r = 0; r < rows; ++r) {
-        wr.bf16(n0 + r, k0, k1, p + r * padded, buf.scratch.data());
-        if (padded != width) p[r * padded + width] = 0;  // pairs with A^T's zero row
+        const LowBits row_bits = wr.bf16(n0 + r, k0, k1, p + r * padded, buf.scratch.data());
+        bits = {std::min(bits.low_bit, row_bits.low_bit), bits.subnormal || row_bits.subnormal};
+        if (padded != width) p[r * padded + width] = 0;
       }
-      for (int64_t m0 = 0; m0 < M; m0 += kTileCols) {
-        const int64_t cols = std::min(kTileCols, M - m0);
-        at::native::cpublas::brgemm(rows, cols, padded, padded, M, M, k0 > 0,
-                                    reinterpret_cast<const at::BFloat16*>(p), bt + k0 * M + 2 * m0, c + m0, true);
+      chunk_bf16 = !bits.subnormal && ops.a_bits.low_bit + bits.low_bit >= -126;
+      if (chunk_bf16) {
+        const auto* bt = reinterpret_cast<const at::BFloat16*>(ops.bt16.data_ptr<at::BFloat16>());
+        for (int64_t m0 = 0; m0 < M; m0 += kTileCols) {
+          const int64_t cols = std::min(kTileCols, M - m0);
+          at::native::cpublas::brgemm(rows, cols, padded, padded, M, M, k0 > 0,
+                                      reinterpret_cast<const at::BFloat16*>(p), bt + k0 * M + 2 * m0, c + m0, true);
+        }
+        any_bf16 = true;
       }
     }
-    at::native::cpublas::brgemm_release(true);
 #endif
-  } else {
-    buf.panel32.resize(rows * kc);
-    const float* bt = ops.at32();
-    for (int64_t k0 = 0; k0 < K; k0 += kc) {
-      const int64_t k1 = std::min(K, k0 + kc), width = k1 - k0;
+    if (!chunk_bf16) {
+      buf.panel32.resize(rows * width);
+      const float* bt = ops.at32();
       float* p = buf.panel32.data();
       for (int64_t r = 0; r < rows; ++r) wr.fp32(n0 + r, k0, k1, p + r * width);
       for (int64_t m0 = 0; m0 < M; m0 += kTileCols) {
         const int64_t cols = std::min(kTileCols, M - m0);
         at::native::cpublas::brgemm(rows, cols, width, width, M, M, k0 > 0, p, bt + k0 * M + m0, c + m0, false);
       }
+      all_bf16 = false;
     }
   }
+  if (any_bf16) at::native::cpublas::brgemm_release(true);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t r = 0; r < rows; ++r) out[m * N + n0 + r] = c[r * M + m];
-  prefill_tiles[use_bf16 ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
+  prefill_tiles[all_bf16 ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
 }
 
 // at::mm on fp32 panels: CPUs without AVX2 (generic build) or with MKLDNN switched off.
@@ -788,12 +973,7 @@ void prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t pane
     float* o = out.data_ptr<float>();
     run_tasks(tasks, [&](int64_t t) {
       const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
-      bool use_bf16 = bf16;
-      if (use_bf16) {
-        const LowBits wb = wr.low_bits(n0, rows);
-        use_bf16 = !wb.subnormal && ops.a_bits.low_bit + wb.low_bit >= -126;
-      }
-      gemm_tile(wr, ops, n0, rows, use_bf16, o, N);
+      gemm_tile(wr, ops, n0, rows, bf16, o, N);
     });
     return;
   }
@@ -993,8 +1173,8 @@ void qdq_block32(const uint16_t* x, float recip_peak, void* out, int64_t offset)
 template <bool kF32Out>
 void qdq_rows(const uint16_t* x, int64_t M, int64_t K, float recip_peak, void* out) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
-  at::parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
+  run_tasks((M + grain - 1) / grain, [&](int64_t t) {
+    for (int64_t r = t * grain; r < std::min(M, (t + 1) * grain); ++r) {
       for (int64_t k0 = 0; k0 < K; k0 += kQdqBlock) {
         const int64_t len = std::min(kQdqBlock, K - k0);
 #if defined(TORCH_BQ_AVX2)
