@@ -277,6 +277,31 @@ def test_window_edges_by_hand(kernel):
     assert causal.flatten().tolist() == pytest.approx([6.0, 7.0, 8.0])
 
 
+@pytest.mark.parametrize("kernel", LEVELS)
+def test_threads_give_the_same_bits(kernel):
+    # Tasks (request x KV head x split) go to whichever thread is free; what each computes,
+    # and the merge order, must not depend on it. Full-size head shape, many splits.
+    case = dict(
+        num_requests=3, rows_per_request=7, hkv=2, hq=32, d=128, block_size=16, window=150, causal=False,
+        seq_lens=[200, 97, 300], positions=[*range(193, 200), *range(90, 97), *range(293, 300)], chunk_size=32, seed=5,
+    )
+    q, keys, values, k_cache, v_cache, table, positions, seq_lens = build(case, torch.bfloat16)
+    args = (q, k_cache, v_cache, table, positions, seq_lens)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            with running(kernel, chunk_size=32):
+                outs.append(torch_bq.ops.paged_window_attention(*args, rows_per_request=7, window=150))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    expected = dense_attention(q, keys, values, positions, seq_lens, 7, 150, False, 128**-0.5)
+    bound = error_bound(q, keys, values, positions, seq_lens, 7, 150, 128**-0.5)
+    assert ((outs[0].double() - expected).abs() <= bound + 2.0**-8 * (expected.abs() + bound)).all()
+
+
 def test_merge_partials_empty_splits():
     # Split 1 is empty for every row (m = -inf, l = 0, o = 0); row 1 sees nothing at all.
     m = torch.tensor([[0.5, float("-inf")], [float("-inf"), float("-inf")], [2.0, float("-inf")]])

@@ -207,10 +207,14 @@ void attention_impl(const float* q, const Elem* kc, const Elem* vc, const CacheV
   // The splits' partials. Every split writes all of its rows, so the buffers need no
   // initialisation; they are kept per calling thread (no page faults on every call).
   const int64_t nsplits = static_cast<int64_t>(splits.size());
-  thread_local std::vector<float> part_o, part_m, part_l;
-  part_o.resize(std::max<size_t>(part_o.size(), nsplits * Tr * Dp));
-  part_m.resize(std::max<size_t>(part_m.size(), nsplits * Tq));
-  part_l.resize(std::max<size_t>(part_l.size(), nsplits * Tq));
+  // (The tasks run on other threads: they must use these pointers, not the thread_local names.)
+  thread_local std::vector<float> part_o_buf, part_m_buf, part_l_buf;
+  part_o_buf.resize(std::max<size_t>(part_o_buf.size(), nsplits * Tr * Dp));
+  part_m_buf.resize(std::max<size_t>(part_m_buf.size(), nsplits * Tq));
+  part_l_buf.resize(std::max<size_t>(part_l_buf.size(), nsplits * Tq));
+  float* const part_o = part_o_buf.data();
+  float* const part_m = part_m_buf.data();
+  float* const part_l = part_l_buf.data();
 
   run_tasks(nsplits, [&](int64_t index) {
     const Split& sp = splits[index];
@@ -257,8 +261,8 @@ void attention_impl(const float* q, const Elem* kc, const Elem* vc, const CacheV
     }
     // Softmax down the columns of S^T: scale and mask, column max, exp, column sum.
     const float neg_inf = -std::numeric_limits<float>::infinity();
-    float* m_out = part_m.data() + sp.slot * Tq;
-    float* l_out = part_l.data() + sp.slot * Tq;
+    float* m_out = part_m + sp.slot * Tq;
+    float* l_out = part_l + sp.slot * Tq;
     std::fill(m_out, m_out + Tq, neg_inf);
     std::fill(l_out, l_out + Tq, 0.0f);
     for (int64_t c = 0; c < rows; ++c) {
@@ -288,7 +292,7 @@ void attention_impl(const float* q, const Elem* kc, const Elem* vc, const CacheV
       }
     }
     // O = P V with P read transposed from S^T.
-    matmul(st.data(), 1, Tq, vv.data(), Dp, rows, part_o.data() + sp.slot * Tr * Dp, Dp, Tr, Dp);
+    matmul(st.data(), 1, Tq, vv.data(), Dp, rows, part_o + sp.slot * Tr * Dp, Dp, Tr, Dp);
   });
 
   // Merge each (request, KV head)'s splits into out [R, hq, d].
@@ -305,7 +309,7 @@ void attention_impl(const float* q, const Elem* kc, const Elem* vc, const CacheV
         const float w = std::exp(part_m[sidx * Tq + t] - big_m);  // exactly 0 for m = -inf
         if (w == 0.0f) continue;
         big_l += part_l[sidx * Tq + t] * w;
-        const float* o = part_o.data() + (sidx * Tr + t) * Dp;
+        const float* o = part_o + (sidx * Tr + t) * Dp;
         for (int64_t e = 0; e < d; ++e) acc[e] += o[e] * w;
       }
       const int64_t i = t / group, h = g * group + t % group;
