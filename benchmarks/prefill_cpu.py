@@ -32,6 +32,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
@@ -120,15 +122,29 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--reps", type=int, default=5, help="interleaved rounds; medians are reported")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N shapes only")
+    parser.add_argument("--shape", type=int, nargs=2, metavar=("N", "K"), help="this shape only")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="start this many busy-looping processes for the run (cores shared with others)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    info = ops.backend_info()["cpu"]
-    print(f"CPU: {cpu_model()}; supports {', '.join(info['supported'])}; torch_bq kernels: {info['kernels']} "
-          f"at {info['isa']} ({info['source']}); torch {torch.__version__} "
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        run(args)
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+
+
+def run(args) -> None:
+    info = ops.backend_info()["cpu"] if hasattr(ops, "backend_info") else {}  # older torch_bq: no selector
+    print(f"CPU: {cpu_model()}; supports {', '.join(info.get('supported', ['?']))}; torch_bq kernels: "
+          f"{info.get('kernels')} at {info.get('isa')} ({info.get('source')}); torch {torch.__version__} "
           f"(capability {torch.backends.cpu.get_cpu_capability()}); {torch.get_num_threads()} threads, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; load average {load_average()}")
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; {args.busy} busy processes started; "
+          f"load average {load_average()}")
     results = []
-    for n, k in SHAPES[: args.shapes]:
+    for n, k in [tuple(args.shape)] if args.shape else SHAPES[: args.shapes]:
         results += bench_shape(n, k, args.rows, args.reps)
     print()
     print(table(results))

@@ -496,24 +496,26 @@ def test_attention_errors(change, kw, error, match):
 
 
 @kernels
-def test_metadata_checked_only_when_asked(kernel):
+@pytest.mark.parametrize("entry", [99, 8, -1])
+def test_block_table_entries_checked_even_without_validate(kernel, entry):
+    # validate=False skips the metadata checks, but the op still refuses a table entry
+    # outside the cache (-1 used to read the last block silently, 99 an IndexError).
     a = _valid()
-    a["block_table"][1, 2] = 99
-    # validate=False goes straight to the kernel, which then refuses to index out of the cache.
-    with running(kernel), pytest.raises(IndexError):
+    a["block_table"][1, 2] = entry
+    with running(kernel), pytest.raises(
+        ValueError, match=rf"request 1, logical block 2 maps to physical block {entry}, outside"
+    ):
         _attend(a, validate=False)
 
 
 @kernels
 def test_kv_write_slot_outside_cache_unvalidated(kernel):
-    # validate=False: every kernel still refuses a slot past the cache; the compiled ones
-    # check every slot before writing anything (the reference's indexing may write row 0 first).
+    # validate=False: every kernel still refuses a slot past the cache, before writing anything.
     k, v, k_cache, v_cache, slots = _write_args([0, 12])
     k.fill_(1.0)
-    with running(kernel), pytest.raises(IndexError):
+    with running(kernel), pytest.raises(ValueError, match="slots: row 1 writes slot 12, outside the cache's"):
         torch_bq.ops.paged_kv_write(k, v, k_cache, v_cache, slots, validate=False)
-    if kernel != "reference":
-        assert not k_cache.any()
+    assert not k_cache.any()
 
 
 def _write_args(slots=(0, 1), k_shape=(2, 2, 8), k_dtype=torch.float32, cache_shape=(3, 4, 2, 8),

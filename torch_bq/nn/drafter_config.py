@@ -6,8 +6,9 @@ from .. import formats
 
 __all__ = ["DrafterConfig", "WEIGHT_FORMATS"]
 
-# weight_format -> fp8 block (bn, bk); "bf16" has no block and never quantizes activations.
-WEIGHT_FORMATS = {"fp8": (32, 32), "mxfp8": (1, 32), "bf16": None}
+# weight_format -> fp8 block (bn, bk), from the format descriptors; "bf16" has no block and
+# never quantizes activations.
+WEIGHT_FORMATS = {name: formats.get_format(name).default_block for name in ("fp8", "mxfp8", "bf16")}
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,6 @@ tested against them.
 """
 
 from .grouped import fp4_grouped_linear, fp8_grouped_linear
-from .linear import bf16_linear, fp4_linear, fp8_linear, fp32w_linear
+from .linear import bf16_linear, fp4_linear, fp8_linear, fp32w_linear, nvfp4_linear
 
-__all__ = ["fp8_linear", "fp4_linear", "bf16_linear", "fp32w_linear", "fp8_grouped_linear", "fp4_grouped_linear"]
+__all__ = ["fp8_linear", "fp4_linear", "nvfp4_linear", "bf16_linear", "fp32w_linear", "fp8_grouped_linear", "fp4_grouped_linear"]

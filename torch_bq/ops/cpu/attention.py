@@ -6,8 +6,11 @@ the KV write copies the same bytes; the attention is the split-K form of
 contract's merge rule), so it differs from the reference only by float32
 summation order. The math lives in ``attention.cpp``, compiled into the same
 per-ISA libraries as ``kernels.cpp``; the level :mod:`torch_bq.ops._backend`
-selected runs. Argument errors are the reference's own checks, raised before
-the kernel runs; without the compiled kernels the reference runs.
+selected runs. Argument errors are the reference's own checks (including the
+ones its bodies run even with ``validate=False``), raised before the kernel
+runs; the C++ code checks table entries and slots once more (IndexError) so it
+never reads or writes outside the caches. Without the compiled kernels the
+reference runs.
 
 Tuning: ``CHUNK_SIZE`` cache positions per split (one task of the thread pool
 per request x KV head x split; its float32 K and V copies are ``2 * CHUNK_SIZE
@@ -41,6 +44,8 @@ def paged_kv_write(
     if kernels is None:
         return ref.paged_kv_write(k, v, k_cache, v_cache, slots)
     ref.check_kv_write_args(k, v, k_cache, v_cache, slots)
+    # The reference body's always-on check (validate=False included), same errors.
+    ref._check_slot_bounds(slots, num_blocks=k_cache.shape[0], block_size=k_cache.shape[1])
     kernel_calls[_backend.cpu_isa()] += 1
     kernels.paged_kv_write(k, v, k_cache, v_cache, slots)
 
@@ -64,6 +69,9 @@ def paged_window_attention(
     if kernels is None:
         return ref.paged_window_attention(q, k_cache, v_cache, block_table, positions, seq_lens, **kw)
     ref.check_attention_args(q, k_cache, v_cache, block_table, positions, seq_lens, **kw)
+    # The reference body's always-on check (validate=False included): the blocks read exist.
+    lo, hi = ref.visible_range(positions, seq_lens, rows_per_request, window)
+    ref._check_table_reads(block_table, lo, hi, num_blocks=k_cache.shape[0], block_size=k_cache.shape[1])
     kernel_calls[_backend.cpu_isa()] += 1
     # q in float32 (as the reference computes), the result rounded once to q's dtype.
     out = kernels.paged_window_attention(

@@ -628,7 +628,7 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 //
 // Element types of the microkernel:
 // * bf16 x bf16 -> fp32 (builds with AVX512_BF16: vdpbf16ps / AMX): the
-//   decoded weights and A are exact in bf16 (SPEC.md §1, §3), so the products
+//   decoded weights and A are exact in bf16 (docs/contract.md §1, §3), so the products
 //   are the fp32 products the reference forms. vdpbf16ps treats subnormal
 //   inputs and results as zero, so a tile takes this path only if nothing
 //   subnormal can occur: A and the tile's weights hold no subnormal and the
