@@ -31,8 +31,9 @@ __all__ = ["CHUNK_SIZE", "paged_kv_write", "paged_window_attention", "kernel_cal
 
 CHUNK_SIZE = 256
 
-# ISA level -> how many calls the compiled kernels served (tests check that the
-# level they asked for really ran, rather than the reference).
+# ISA level -> how many calls went to the compiled kernels (counted before their
+# argument checks; tests check that the level they asked for really ran, rather
+# than the reference).
 kernel_calls: Counter = Counter()
 
 
@@ -43,10 +44,10 @@ def paged_kv_write(
     kernels = _backend.cpu_kernels()
     if kernels is None:
         return ref.paged_kv_write(k, v, k_cache, v_cache, slots)
+    kernel_calls[_backend.cpu_isa()] += 1
     ref.check_kv_write_args(k, v, k_cache, v_cache, slots)
     # The reference body's always-on check (validate=False included), same errors.
     ref._check_slot_bounds(slots, num_blocks=k_cache.shape[0], block_size=k_cache.shape[1])
-    kernel_calls[_backend.cpu_isa()] += 1
     kernels.paged_kv_write(k, v, k_cache, v_cache, slots)
 
 
@@ -68,11 +69,11 @@ def paged_window_attention(
     kw = dict(rows_per_request=rows_per_request, window=window, causal=causal, scale=scale)
     if kernels is None:
         return ref.paged_window_attention(q, k_cache, v_cache, block_table, positions, seq_lens, **kw)
+    kernel_calls[_backend.cpu_isa()] += 1
     ref.check_attention_args(q, k_cache, v_cache, block_table, positions, seq_lens, **kw)
     # The reference body's always-on check (validate=False included): the blocks read exist.
     lo, hi = ref.visible_range(positions, seq_lens, rows_per_request, window)
     ref._check_table_reads(block_table, lo, hi, num_blocks=k_cache.shape[0], block_size=k_cache.shape[1])
-    kernel_calls[_backend.cpu_isa()] += 1
     # q in float32 (as the reference computes), the result rounded once to q's dtype.
     out = kernels.paged_window_attention(
         q.to(torch.float32),
