@@ -56,7 +56,7 @@ constexpr int kTileRows = 6;  // 12 accumulators + 3 of 16 registers
 constexpr int kTileRows = 6;
 #endif
 constexpr int kLanes = TORCH_BQ_ATTN_LANES;
-constexpr int kTileCols = 2 * kLanes;
+constexpr int kTileCols = 2 * kLanes;  // the widest tile; a one-vector tile takes the rest
 typedef float vf __attribute__((vector_size(4 * TORCH_BQ_ATTN_LANES)));
 typedef int32_t vi __attribute__((vector_size(4 * TORCH_BQ_ATTN_LANES)));
 
@@ -70,36 +70,44 @@ inline vf splat(float x) { return vf{} + x; }
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// C[kTileRows x kTileCols] = A[kTileRows x K] * B[K x kTileCols], with A's element
-// (r, k) at A[r * a_row + k * a_k] (so A may be read transposed) and B row-major.
+// C[kTileRows x NV lanes-vectors] = A[kTileRows x K] * B[K x NV vectors], with A's
+// element (r, k) at A[r * a_row + k * a_k] (so A may be read transposed), B row-major.
+template <int NV>
 inline void tile(const float* A, int64_t a_row, int64_t a_k, const float* B, int64_t ldb, int64_t K, float* C,
                  int64_t ldc) {
-  vf acc[kTileRows][2];
+  vf acc[kTileRows][NV];
 #pragma GCC unroll 8
-  for (int r = 0; r < kTileRows; ++r) acc[r][0] = acc[r][1] = vf{};
+  for (int r = 0; r < kTileRows; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[r][v] = vf{};
   for (int64_t k = 0; k < K; ++k) {
-    const vf b0 = load(B + k * ldb), b1 = load(B + k * ldb + kLanes);
+    vf b[NV];
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) b[v] = load(B + k * ldb + v * kLanes);
     const float* ak = A + k * a_k;
 #pragma GCC unroll 8
     for (int r = 0; r < kTileRows; ++r) {
       const float a = ak[r * a_row];
-      acc[r][0] += a * b0;
-      acc[r][1] += a * b1;
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < kTileRows; ++r) {
-    store(C + r * ldc, acc[r][0]);
-    store(C + r * ldc + kLanes, acc[r][1]);
-  }
+  for (int r = 0; r < kTileRows; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) store(C + r * ldc + v * kLanes, acc[r][v]);
 }
 
-// C[rows x cols] = A[rows x K] B[K x cols] (A strided as in tile); rows, cols multiples of the tile.
+// C[rows x cols] = A[rows x K] B[K x cols] (A strided as in tile); rows a multiple of
+// kTileRows, cols of kLanes (two-vector tiles, then a one-vector tile for the rest).
 void matmul(const float* A, int64_t a_row, int64_t a_k, const float* B, int64_t ldb, int64_t K, float* C, int64_t ldc,
             int64_t rows, int64_t cols) {
-  for (int64_t t = 0; t < rows; t += kTileRows)
-    for (int64_t c = 0; c < cols; c += kTileCols)
-      tile(A + t * a_row, a_row, a_k, B + c, ldb, K, C + t * ldc + c, ldc);
+  for (int64_t t = 0; t < rows; t += kTileRows) {
+    int64_t c = 0;
+    for (; c + kTileCols <= cols; c += kTileCols)
+      tile<2>(A + t * a_row, a_row, a_k, B + c, ldb, K, C + t * ldc + c, ldc);
+    if (c < cols) tile<1>(A + t * a_row, a_row, a_k, B + c, ldb, K, C + t * ldc + c, ldc);
+  }
 }
 
 // e^x for x <= 0 (Cody-Waite reduction, Cephes' degree-6 polynomial: about 1 ulp).
@@ -164,8 +172,8 @@ void attention_impl(const float* q, const Elem* kc, const Elem* vc, const CacheV
   const int64_t d = cv.d, hkv = cv.hkv, group = hq / hkv, bs = cv.block_size;
   // T query rows per (request, KV head): Tq padded for the score tiles' columns, Tr for
   // the output tiles' rows; Dp: head_dim padded for the output tiles' columns.
-  const int64_t T = rpr * group, Tq = round_up(T, kTileCols), Tr = round_up(T, kTileRows);
-  const int64_t Dp = round_up(d, kTileCols), Cr = round_up(chunk, kTileRows);
+  const int64_t T = rpr * group, Tq = round_up(T, kLanes), Tr = round_up(T, kTileRows);
+  const int64_t Dp = round_up(d, kLanes), Cr = round_up(chunk, kTileRows);
 
   // Each request's keys [lo, hi): lo from its lowest row position, hi = seq_len.
   std::vector<Split> splits;
