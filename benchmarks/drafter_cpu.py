@@ -84,9 +84,10 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def peak_flops(kind: str, repeats: int = 7, iters: int = 2_000_000) -> float:
-    """FLOP/s of one thread for ``kind`` ("fp32_fma" or "bf16_dot"), best of ``repeats``; 0 if unavailable."""
-    kernels = _backend.cpu_kernels()
+def peak_flops(kind: str, repeats: int = 7, iters: int = 2_000_000, level=None) -> float:
+    """FLOP/s of one thread for ``kind`` ("fp32_fma" or "bf16_dot") with the kernels of ``level``
+    (default: the selected one), best of ``repeats``; 0 if unavailable."""
+    kernels = _backend.cpu_kernels(level)
     if kernels is None:
         return 0.0
     best = 0.0
@@ -271,6 +272,36 @@ def floor_table(layer: DrafterLayer, step, repeats: int, threads: int, bandwidth
         f"{'whole step':28s} {'':7s} {'':7s} {'':9s} {1e3 * total_floor:9.2f} {1e3 * wall:9.2f} {1e3 * cpu:9.2f} "
         f"{wall / total_floor:10.2f} {cpu / (total_floor * threads):21.2f}"
     )
+    attention_per_level(layer, step, repeats, threads, limits["attention"][0])
+
+
+def attention_per_level(layer: DrafterLayer, step, repeats: int, threads: int, flops: int) -> None:
+    """The attention kernel of every ISA level this CPU has, each against the fp32 FMA floor of its own level."""
+    c = layer.config
+    hidden, positions, k_cache, v_cache, table, slots, seq_lens = step
+    rows, d, hq = hidden.shape[0], c.head_dim, c.num_attention_heads
+    q = torch.randn(rows, hq, d, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    kw = dict(rows_per_request=c.rows_per_request, window=c.sliding_window, causal=c.causal, scale=d**-0.5)
+    print(f"\nattention per ISA level ({flops / 1e9:.2f} GFLOP; floor = FLOPs / (that level's fp32 FMA peak x threads))")
+    print(f"{'level':12s} {'peak GFLOP/s':>13s} {'floor ms':>9s} {'wall ms':>9s} {'cpu ms':>9s} {'cpu/(floor x threads)':>21s}")
+    for level in _backend.supported_cpu_isas():
+        if _backend.cpu_kernels(level) is None:
+            print(f"{level:12s} (did not load)")
+            continue
+        previous = _backend.set_cpu_isa_cap(level)
+        try:
+            peak = peak_flops("fp32_fma", level=level)
+            floor = flops / (peak * threads)
+            wall, cpu = timed_cpu(
+                lambda: ops.paged_window_attention(
+                    q, k_cache, v_cache, table, positions, seq_lens, **kw, validate=False
+                ),
+                repeats,
+            )
+        finally:
+            _backend.set_cpu_isa_cap(previous)
+        print(f"{level:12s} {peak / 1e9:13.1f} {1e3 * floor:9.2f} {1e3 * wall:9.2f} {1e3 * cpu:9.2f} "
+              f"{cpu / (floor * threads):21.2f}")
 
 
 def main() -> None:
