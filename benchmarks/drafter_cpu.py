@@ -77,7 +77,8 @@ def cpu_model() -> str:
                 break
     except OSError:
         return "unknown CPU"
-    return f"{fields.get('model name', 'unknown CPU')} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
+    name, family, model = fields.get("model name", "unknown CPU"), fields.get("cpu family", "?"), fields.get("model", "?")
+    return f"{name} (family {family}, model {model})"
 
 
 def load_average() -> str:

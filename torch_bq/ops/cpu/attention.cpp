@@ -380,7 +380,8 @@ at::Tensor paged_window_attention(const at::Tensor& q_in, const at::Tensor& k_ca
                                   double scale, int64_t chunk) {
   for (auto* t : {&q_in, &k_cache, &v_cache, &block_table_in, &positions_in, &seq_lens_in}) check_cpu(*t, "tensor");
   TORCH_CHECK(q_in.scalar_type() == at::kFloat && q_in.dim() == 3, "q: expected float32 [R, num_heads, head_dim]");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
               "k_cache, v_cache: expected two [num_blocks, block_size, num_kv_heads, head_dim] tensors of one dtype");
   TORCH_CHECK(block_table_in.scalar_type() == at::kInt && positions_in.scalar_type() == at::kLong &&
                   seq_lens_in.scalar_type() == at::kInt,
