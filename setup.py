@@ -11,7 +11,9 @@ from setuptools import find_packages, setup
 version = re.search(r'^__version__ = "(.+)"$', Path("torch_bq/__init__.py").read_text(), re.M).group(1)
 # The ISA levels and their flags, shared with the run-time loader (imports nothing).
 isa = runpy.run_path("torch_bq/ops/cpu/isa.py")
-SOURCE = Path("torch_bq/ops/cpu/kernels.cpp")
+# The sources of each level's library (kernels.cpp defines the op library, the others add to it;
+# torch_bq/ops/_backend.py: CPU_KERNEL_SOURCES).
+SOURCES = (Path("torch_bq/ops/cpu/kernels.cpp"), Path("torch_bq/ops/cpu/attention.cpp"))
 
 
 def cpu_kernel_extensions():
@@ -40,15 +42,18 @@ def cpu_kernel_extensions():
         if probe.returncode != 0:
             print(f"torch_bq: {compiler} rejects the {level} flags; that level is not built", file=sys.stderr)
             continue
-        # One source file per level (each includes kernels.cpp), so the levels'
+        # One stub per level and source (each includes that source), so the levels'
         # object files do not overwrite each other in the shared build directory.
-        stub = Path("build", "torch_bq_kernels", f"{level}.cpp")
-        stub.parent.mkdir(parents=True, exist_ok=True)
-        stub.write_text(f'#include "{SOURCE.resolve()}"\n')
+        stubs = []
+        for source in SOURCES:
+            stub = Path("build", "torch_bq_kernels", f"{level}_{source.stem}.cpp")
+            stub.parent.mkdir(parents=True, exist_ok=True)
+            stub.write_text(f'#include "{source.resolve()}"\n')
+            stubs.append(str(stub))
         extensions.append(
             CppExtension(
                 name=f"torch_bq.ops.cpu.{isa['module_name'](level, torch.__version__)}",
-                sources=[str(stub)],
+                sources=stubs,
                 extra_compile_args=flags,
                 extra_link_args=list(isa["LINK_FLAGS"]),
             )
@@ -76,7 +81,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["torch_bq", "torch_bq.*"]),
     # The kernel source ships too: the JIT fallback builds from it when a library is missing.
-    package_data={"torch_bq.ops.cpu": ["*.cpp"]},
+    package_data={"torch_bq.ops.cpu": ["*.cpp", "*.h"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     python_requires=">=3.10",

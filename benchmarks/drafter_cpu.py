@@ -11,17 +11,31 @@ faster CPU kernel is registered.
 Memory: ~0.35 GB of fp8 weights, ~0.7 GB of bf16, ~1.3 GB of float32 temporaries
 while building them, and a 1 GiB bandwidth probe.
 
-    python -m benchmarks.drafter_cpu [--requests 4] [--context 4096] [--repeats 3]
+Then, for the fp8 layer, each component against its own floor, ``max(FLOPs /
+peak, bytes / bandwidth)``: the peaks are measured in the same run by the
+kernels' ``peak_probe`` op (a register-only loop of the vector fp32 FMA, and of
+``vdpbf16ps`` where the CPU has AVX512_BF16; per thread, times the thread
+count), the bandwidth by the int64 sum above. The linears' floor uses the
+bf16-dot peak where there is one (decoded fp8 weights and qdq'd activations are
+exact in bf16, so a bf16 GEMM accumulating in fp32 is inside the contract) and
+the fp32 one otherwise; attention's uses the fp32 FMA peak (the contract keeps
+scores, softmax and P V in float32). Times are wall-clock medians and, since the
+machine may be shared, also the process's CPU time (minimum over the repeats).
+
+    OMP_WAIT_POLICY=passive python -m benchmarks.drafter_cpu [--requests 4] [--context 4096] [--repeats 3]
+        [--threads N] [--floors-only]
 """
 
 import argparse
 import dataclasses
+import os
 import statistics
 import time
 
 import torch
 
 from torch_bq import formats, ops
+from torch_bq.ops import _backend
 from torch_bq.nn import BF16Linear, DrafterConfig, DrafterLayer, FP8Linear
 from torch_bq.reference.flash_decoding import paged_window_attention_split
 from torch_bq.reference.transformer import apply_rope, clamped_swiglu, rope_cos_sin
@@ -38,6 +52,51 @@ def timed(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def timed_cpu(fn, repeats: int) -> tuple[float, float]:
+    """``(median wall seconds, minimum process CPU seconds)`` of ``fn()`` over ``repeats`` runs after a warm-up."""
+    fn()
+    wall, cpu = [], []
+    for _ in range(repeats):
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn()
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(wall), min(cpu)
+
+
+def cpu_model() -> str:
+    """``model name`` of /proc/cpuinfo with its family and model numbers (which tell Zen 4 from Zen 5)."""
+    fields = {}
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+            if not line.strip():
+                break
+    except OSError:
+        return "unknown CPU"
+    name, family, model = fields.get("model name", "unknown CPU"), fields.get("cpu family", "?"), fields.get("model", "?")
+    return f"{name} (family {family}, model {model})"
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def peak_flops(kind: str, repeats: int = 7, iters: int = 2_000_000, level=None) -> float:
+    """FLOP/s of one thread for ``kind`` ("fp32_fma" or "bf16_dot") with the kernels of ``level``
+    (default: the selected one), best of ``repeats``; 0 if unavailable."""
+    kernels = _backend.cpu_kernels(level)
+    if kernels is None:
+        return 0.0
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        flops = kernels.peak_probe(kind, iters)
+        best = max(best, flops / (time.perf_counter() - t0))
+    return best
 
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
@@ -104,8 +163,8 @@ def make_step(config: DrafterConfig, requests: int, context: int, block_size: in
     return hidden, positions, k_cache, v_cache, table, slots, seq_lens
 
 
-def breakdown(layer: DrafterLayer, step, repeats: int, with_split: bool) -> dict[str, float]:
-    """Seconds per component of :meth:`DrafterLayer.step`, each timed on its own real input."""
+def breakdown(layer: DrafterLayer, step, repeats: int, with_split: bool, timer=timed) -> dict:
+    """``timer``'s result (seconds) per component of :meth:`DrafterLayer.step`, each timed on its own real input."""
     c = layer.config
     hidden, positions, k_cache, v_cache, table, slots, seq_lens = step
     rows, d, hq, hkv = hidden.shape[0], c.head_dim, c.num_attention_heads, c.num_key_value_heads
@@ -135,12 +194,115 @@ def breakdown(layer: DrafterLayer, step, repeats: int, with_split: bool) -> dict
         "swiglu": lambda: clamped_swiglu(g, u, c.swiglu_alpha, c.swiglu_limit),
         "down_proj": lambda: layer.down_proj(a),
     }
-    times = {name: timed(fn, repeats) for name, fn in parts.items()}
+    times = {name: timer(fn, repeats) for name, fn in parts.items()}
     if with_split:
         times["(attention, split-K form)"] = timed(
             lambda: paged_window_attention_split(q, k_cache, v_cache, *attn_args, **attn_kw), repeats
         )
     return times
+
+
+def floors(layer: DrafterLayer, step, fp32_peak: float, bf16_peak: float, bandwidth: float) -> dict:
+    """``{component: (FLOPs, bytes, floor seconds, roof name)}`` for the fp8 layer's step."""
+    c = layer.config
+    hidden, positions, k_cache, v_cache, table, slots, seq_lens = step
+    rows, rpr = hidden.shape[0], c.rows_per_request
+    linear_peak, linear_roof = (bf16_peak, "bf16 dot") if bf16_peak > 0 else (fp32_peak, "fp32 FMA")
+    out = {}
+    for name in LINEARS:
+        lin = getattr(layer, name)
+        flops = 2 * rows * lin.out_features * lin.in_features
+        nbytes = sum(t.numel() * t.element_size() for t in lin.buffers())
+        out[name] = (flops, nbytes, max(flops / linear_peak, nbytes / bandwidth), linear_roof)
+    # Attention: every row reads the keys of [max(0, p - W + 1), seq_len); each request's cache once.
+    d, hq, hkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    request = torch.arange(rows) // rpr
+    hi = seq_lens.to(torch.int64)[request]
+    seen = hi - (positions - c.sliding_window + 1).clamp_min(0)
+    if c.causal:
+        seen = torch.minimum(seen, positions + 1 - (positions - c.sliding_window + 1).clamp_min(0))
+    flops = int(4 * hq * d * seen.sum())
+    lo = (positions.view(-1, rpr).amin(1) - c.sliding_window + 1).clamp_min(0)
+    keys = int((seq_lens.to(torch.int64) - lo).sum())
+    nbytes = 2 * keys * hkv * d * k_cache.element_size()
+    out["attention"] = (flops, nbytes, max(flops / fp32_peak, nbytes / bandwidth), "fp32 FMA")
+    nbytes = 2 * 2 * rows * hkv * d * k_cache.element_size()  # read k, v and write them
+    out["kv write"] = (0, nbytes, nbytes / bandwidth, "bandwidth")
+    return out
+
+
+def floor_table(layer: DrafterLayer, step, repeats: int, threads: int, bandwidth: float) -> None:
+    """Print each component of the fp8 layer's step against its floor (see the module docstring)."""
+    fp32_peak = peak_flops("fp32_fma")
+    bf16_peak = peak_flops("bf16_dot")
+    print(
+        f"measured per thread: fp32 FMA peak {fp32_peak / 1e9:.1f} GFLOP/s, bf16 dot peak "
+        f"{bf16_peak / 1e9:.1f} GFLOP/s (peak_probe, best of 7); x {threads} threads for the floors"
+    )
+    limits = floors(layer, step, threads * fp32_peak, threads * bf16_peak, bandwidth)
+    times = breakdown(layer, step, repeats, with_split=False, timer=timed_cpu)
+    with _backend.fast_kernels_disabled("cpu"):
+        c = layer.config
+        hidden, positions, k_cache, v_cache, table, slots, seq_lens = step
+        rows, d, hq, hkv = hidden.shape[0], c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        x = layer.input_layernorm(hidden)
+        q = layer.qkv_proj(x)[:, : hq * d].reshape(rows, hq, d)
+        kw = dict(rows_per_request=c.rows_per_request, window=c.sliding_window, causal=c.causal, scale=d**-0.5)
+        times["(attention, reference body)"] = timed_cpu(
+            lambda: ops.paged_window_attention(q, k_cache, v_cache, table, positions, seq_lens, **kw, validate=False),
+            repeats,
+        )
+    print(
+        f"\n{'component':28s} {'GFLOP':>7s} {'MB':>7s} {'roof':>9s} {'floor ms':>9s} {'wall ms':>9s} "
+        f"{'cpu ms':>9s} {'wall/floor':>10s} {'cpu/(floor x threads)':>21s}"
+    )
+    for name, (wall, cpu) in times.items():
+        key = name.strip("()").split(",")[0]
+        if key in limits:
+            flops, nbytes, floor, roof = limits[key]
+            print(
+                f"{name:28s} {flops / 1e9:7.2f} {nbytes / 1e6:7.1f} {roof:>9s} {1e3 * floor:9.2f} {1e3 * wall:9.2f} "
+                f"{1e3 * cpu:9.2f} {wall / floor:10.2f} {cpu / (floor * threads):21.2f}"
+            )
+        else:
+            print(f"{name:28s} {'':7s} {'':7s} {'':9s} {'':9s} {1e3 * wall:9.2f} {1e3 * cpu:9.2f}")
+    total_floor = sum(v[2] for v in limits.values())
+    hidden, positions, k_cache, v_cache, table, slots, seq_lens = step
+    wall, cpu = timed_cpu(lambda: layer.step(hidden, positions, k_cache, v_cache, table, slots, seq_lens), repeats)
+    print(
+        f"{'whole step':28s} {'':7s} {'':7s} {'':9s} {1e3 * total_floor:9.2f} {1e3 * wall:9.2f} {1e3 * cpu:9.2f} "
+        f"{wall / total_floor:10.2f} {cpu / (total_floor * threads):21.2f}"
+    )
+    attention_per_level(layer, step, repeats, threads, limits["attention"][0])
+
+
+def attention_per_level(layer: DrafterLayer, step, repeats: int, threads: int, flops: int) -> None:
+    """The attention kernel of every ISA level this CPU has, each against the fp32 FMA floor of its own level."""
+    c = layer.config
+    hidden, positions, k_cache, v_cache, table, slots, seq_lens = step
+    rows, d, hq = hidden.shape[0], c.head_dim, c.num_attention_heads
+    q = torch.randn(rows, hq, d, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    kw = dict(rows_per_request=c.rows_per_request, window=c.sliding_window, causal=c.causal, scale=d**-0.5)
+    print(f"\nattention per ISA level ({flops / 1e9:.2f} GFLOP; floor = FLOPs / (that level's fp32 FMA peak x threads))")
+    print(f"{'level':12s} {'peak GFLOP/s':>13s} {'floor ms':>9s} {'wall ms':>9s} {'cpu ms':>9s} {'cpu/(floor x threads)':>21s}")
+    for level in _backend.supported_cpu_isas():
+        if _backend.cpu_kernels(level) is None:
+            print(f"{level:12s} (did not load)")
+            continue
+        previous = _backend.set_cpu_isa_cap(level)
+        try:
+            peak = peak_flops("fp32_fma", level=level)
+            floor = flops / (peak * threads)
+            wall, cpu = timed_cpu(
+                lambda: ops.paged_window_attention(
+                    q, k_cache, v_cache, table, positions, seq_lens, **kw, validate=False
+                ),
+                repeats,
+            )
+        finally:
+            _backend.set_cpu_isa_cap(previous)
+        print(f"{level:12s} {peak / 1e9:13.1f} {1e3 * floor:9.2f} {1e3 * wall:9.2f} {1e3 * cpu:9.2f} "
+              f"{cpu / (floor * threads):21.2f}")
 
 
 def main() -> None:
@@ -149,15 +311,37 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--floors-only", action="store_true", help="only the fp8 layer against its floors")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     config = DrafterConfig()
+    info = ops.backend_info()["cpu"]
+    print(
+        f"CPU: {cpu_model()}; supports {', '.join(info['supported'])}; torch_bq kernels: {info['kernels']} at "
+        f"{info['isa']}; torch {torch.__version__} (capability {torch.backends.cpu.get_cpu_capability()}); "
+        f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}; "
+        f"load average {load_average()}"
+    )
     bandwidth = read_bandwidth()
     fp8_layer = random_fp8_layer(config, gen)
-    bf16_layer = bf16_copy(fp8_layer)
     step = make_step(config, args.requests, args.context, args.block_size, gen)
+    rows = args.requests * config.rows_per_request
+    print(
+        f"DrafterLayer (full size), {args.requests} requests x {config.rows_per_request} rows = {rows} rows, "
+        f"context {args.context}, window {config.sliding_window}, block_size {args.block_size}; "
+        f"measured read bandwidth {bandwidth / 1e9:.2f} GB/s"
+    )
+    fp8_layer.validate = False
+    floor_table(fp8_layer, step, args.repeats, torch.get_num_threads(), bandwidth)
+    print(f"load average after: {load_average()}\n")
+    if args.floors_only:
+        return
+    bf16_layer = bf16_copy(fp8_layer)
 
     results = {}
     for label, layer in (("fp8", fp8_layer), ("bf16", bf16_layer)):
@@ -167,7 +351,6 @@ def main() -> None:
         parts = breakdown(layer, step, args.repeats, with_split=label == "fp8")
         results[label] = (full, parts, weight_bytes(layer))
 
-    rows = args.requests * config.rows_per_request
     print(
         f"DrafterLayer (full size: H={config.hidden_size}, heads {config.num_attention_heads}/"
         f"{config.num_key_value_heads}x{config.head_dim}, I={config.intermediate_size}), {args.requests} requests x "

@@ -4,9 +4,18 @@ The ground truth is a dense computation written here: each request's keys and
 values live in plain ``[seq_len, Hkv, d]`` arrays, the visible ones are picked
 by position, and a float64 softmax runs over them. The ops only ever see those
 arrays scattered into a paged cache through a random block table.
+
+The tests of the ops' behaviour are twins: each runs once per ``kernel`` in
+``KERNELS``, the reference and every ISA level of the compiled CPU kernels
+(torch_bq/ops/cpu/attention.cpp) this CPU has, and :func:`running` checks that
+the kernel asked for really served the calls. A level that does not load fails
+(or skips where no C++ compiler exists), never runs the reference in its place.
 """
 
+import contextlib
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -14,12 +23,47 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import torch_bq
+from torch_bq.ops import _backend
+from torch_bq.ops.cpu import attention as fast
 from torch_bq.reference.attention import check_paged_metadata
 from torch_bq.reference.attention import paged_window_attention as reference_attention
 from torch_bq.reference.flash_decoding import merge_partials, paged_window_attention_split
 
 U32 = 2.0**-24  # float32 unit roundoff
 NAN = float("nan")
+
+HAS_COMPILER = shutil.which("c++") is not None
+LEVELS = _backend.supported_cpu_isas()
+KERNELS = ["reference", *LEVELS]  # what serves the torch_bq:: attention ops in a twin test
+kernels = pytest.mark.parametrize("kernel", KERNELS)
+
+
+@contextlib.contextmanager
+def running(kernel, chunk_size=None):
+    """Inside the block the ``torch_bq::`` paged ops run ``kernel``: ``"reference"`` (the
+    fast CPU kernels switched off) or the compiled kernels of that ISA level, with
+    ``chunk_size`` positions per split. Fails if another kernel served the calls."""
+    if kernel == "reference":
+        before = sum(fast.kernel_calls.values())
+        with _backend.fast_kernels_disabled("cpu"):
+            yield
+        assert sum(fast.kernel_calls.values()) == before, "a compiled kernel ran inside fast_kernels_disabled"
+        return
+    if _backend.cpu_kernels(kernel) is None:
+        if HAS_COMPILER or os.environ.get(_backend.REQUIRE_ENV):
+            pytest.fail(f"the {kernel} CPU kernels did not build or load")
+        pytest.skip(f"no C++ compiler and no installed {kernel} library")
+    previous = _backend.set_cpu_isa_cap(kernel)
+    previous_chunk = fast.CHUNK_SIZE
+    fast.CHUNK_SIZE = chunk_size or previous_chunk
+    try:
+        assert _backend.cpu_selection().isa == kernel
+        before = fast.kernel_calls[kernel]
+        yield
+        assert fast.kernel_calls[kernel] > before, f"the {kernel} kernels did not serve the calls"
+    finally:
+        fast.CHUNK_SIZE = previous_chunk
+        _backend.set_cpu_isa_cap(previous)
 
 
 def dense_attention(q, keys, values, positions, seq_lens, rows_per_request, window, causal, scale):
@@ -148,15 +192,17 @@ def build(case, dtype=torch.float32):
     return q, keys, values, k_cache, v_cache, table, positions, seq_lens
 
 
-@pytest.mark.parametrize("impl", ["op", "reference", "split"])
+@pytest.mark.parametrize("impl", ["reference", "split", *(f"op:{kernel}" for kernel in KERNELS)])
 @given(case=attention_cases())
 def test_attention_matches_dense(impl, case):
     q, keys, values, k_cache, v_cache, table, positions, seq_lens = build(case)
     rpr, window, causal = case["rows_per_request"], case["window"], case["causal"]
     scale = case["d"] ** -0.5
     args = (q, k_cache, v_cache, table, positions, seq_lens)
-    if impl == "op":
-        out = torch_bq.ops.paged_window_attention(*args, rows_per_request=rpr, window=window, causal=causal)
+    if impl.startswith("op:"):
+        # The compiled kernels split the key range by chunk_size too (empty splits included).
+        with running(impl[3:], chunk_size=case["chunk_size"]):
+            out = torch_bq.ops.paged_window_attention(*args, rows_per_request=rpr, window=window, causal=causal)
     elif impl == "reference":
         out = reference_attention(*args, rows_per_request=rpr, window=window, causal=causal, scale=scale)
     else:
@@ -184,23 +230,30 @@ def test_split_matches_reference(case):
     assert (ref - split).abs().max().item() <= bound if ref.numel() else True
 
 
-def test_bf16_cache_within_one_rounding():
-    # bf16 q and caches: the op computes in float32 and rounds once, so it is within the
-    # float32 bound plus half a bf16 ulp (2**-8 relative: 8 significant bits) of the result.
+@kernels
+@pytest.mark.parametrize("dtype,rounding", [(torch.bfloat16, 2.0**-8), (torch.float16, 2.0**-11), (torch.float64, 0.0)])
+def test_cache_dtype_within_one_rounding(kernel, dtype, rounding):
+    # bf16/fp16/fp64 q and caches: the op computes in float32 and rounds once, so it is within
+    # the float32 bound plus half an ulp of the dtype (relative: 2**-8 for bf16's 8 significant
+    # bits, 2**-11 for fp16's 11; float64 holds the float32 result exactly) of the result.
     case = dict(
         num_requests=2, rows_per_request=3, hkv=2, hq=4, d=8, block_size=4, window=9, causal=False,
         seq_lens=[13, 30], positions=[10, 11, 12, 27, 28, 29], chunk_size=8, seed=3,
     )
-    q, keys, values, k_cache, v_cache, table, positions, seq_lens = build(case, torch.bfloat16)
-    out = torch_bq.ops.paged_window_attention(q, k_cache, v_cache, table, positions, seq_lens, rows_per_request=3, window=9)
+    q, keys, values, k_cache, v_cache, table, positions, seq_lens = build(case, dtype)
+    with running(kernel, chunk_size=8):
+        out = torch_bq.ops.paged_window_attention(
+            q, k_cache, v_cache, table, positions, seq_lens, rows_per_request=3, window=9
+        )
     expected = dense_attention(q, keys, values, positions, seq_lens, 3, 9, False, 8**-0.5)
     f32_bound = error_bound(q, keys, values, positions, seq_lens, 3, 9, 8**-0.5)
-    bound = f32_bound + 2.0**-8 * (expected.abs() + f32_bound)
-    assert out.dtype == torch.bfloat16
+    bound = f32_bound + rounding * (expected.abs() + f32_bound)
+    assert out.dtype == dtype
     assert ((out.double() - expected).abs() <= bound).all()
 
 
-def test_window_edges_by_hand():
+@kernels
+def test_window_edges_by_hand(kernel):
     # One KV head, d = 1, keys all 1 (every score equal), values = position: each row's
     # output is the mean of the positions it sees, so the visible set is read off exactly.
     block_size, window = 4, 3
@@ -212,13 +265,41 @@ def test_window_edges_by_hand():
     k_cache, v_cache, table = page([keys], [values], lo, block_size, 1, 1, torch.float32, torch.Generator().manual_seed(0))
     q = torch.ones(3, 1, 1)
     seq_lens = torch.tensor([seq_len], dtype=torch.int32)
-    both_ways = torch_bq.ops.paged_window_attention(q, k_cache, v_cache, table, positions, seq_lens, rows_per_request=3, window=window)
-    causal = torch_bq.ops.paged_window_attention(
-        q, k_cache, v_cache, table, positions, seq_lens, rows_per_request=3, window=window, causal=True
-    )
+    with running(kernel, chunk_size=2):  # splits [5, 7), [7, 9), [9, 10): row 7 sees none of the last causally
+        both_ways = torch_bq.ops.paged_window_attention(
+            q, k_cache, v_cache, table, positions, seq_lens, rows_per_request=3, window=window
+        )
+        causal = torch_bq.ops.paged_window_attention(
+            q, k_cache, v_cache, table, positions, seq_lens, rows_per_request=3, window=window, causal=True
+        )
     # Row at p sees [p - 2, 10) both ways and [p - 2, p] causally; row 9 sees [7, 10) either way.
     assert both_ways.flatten().tolist() == pytest.approx([7.0, 7.5, 8.0])
     assert causal.flatten().tolist() == pytest.approx([6.0, 7.0, 8.0])
+
+
+@pytest.mark.parametrize("kernel", LEVELS)
+def test_threads_give_the_same_bits(kernel):
+    # Tasks (request x KV head x split) go to whichever thread is free; what each computes,
+    # and the merge order, must not depend on it. Full-size head shape, many splits.
+    case = dict(
+        num_requests=3, rows_per_request=7, hkv=2, hq=32, d=128, block_size=16, window=150, causal=False,
+        seq_lens=[200, 97, 300], positions=[*range(193, 200), *range(90, 97), *range(293, 300)], chunk_size=32, seed=5,
+    )
+    q, keys, values, k_cache, v_cache, table, positions, seq_lens = build(case, torch.bfloat16)
+    args = (q, k_cache, v_cache, table, positions, seq_lens)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            with running(kernel, chunk_size=32):
+                outs.append(torch_bq.ops.paged_window_attention(*args, rows_per_request=7, window=150))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    expected = dense_attention(q, keys, values, positions, seq_lens, 7, 150, False, 128**-0.5)
+    bound = error_bound(q, keys, values, positions, seq_lens, 7, 150, 128**-0.5)
+    assert ((outs[0].double() - expected).abs() <= bound + 2.0**-8 * (expected.abs() + bound)).all()
 
 
 def test_merge_partials_empty_splits():
@@ -237,13 +318,14 @@ def test_merge_partials_empty_splits():
 # --------------------------------------------------------------------------- #
 
 
+@kernels
 @given(
     num_blocks=st.integers(1, 6),
     block_size=st.sampled_from([1, 3, 8]),
     rows=st.integers(0, 10),
     seed=st.integers(0, 2**16),
 )
-def test_kv_write_exact(num_blocks, block_size, rows, seed):
+def test_kv_write_exact(kernel, num_blocks, block_size, rows, seed):
     gen = torch.Generator().manual_seed(seed)
     hkv, d = 2, 5
     capacity = num_blocks * block_size
@@ -259,22 +341,26 @@ def test_kv_write_exact(num_blocks, block_size, rows, seed):
         if slot >= 0:
             k_expected[slot // block_size, slot % block_size] = k[i]
             v_expected[slot // block_size, slot % block_size] = v[i]
-    torch_bq.ops.paged_kv_write(k, v, k_cache, v_cache, slots)
+    with running(kernel):
+        torch_bq.ops.paged_kv_write(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache.view(torch.int16), k_expected.view(torch.int16))
     assert torch.equal(v_cache.view(torch.int16), v_expected.view(torch.int16))
 
 
-def test_kv_write_non_contiguous_cache():
+@kernels
+def test_kv_write_non_contiguous_cache(kernel):
     # A cache that is a strided view of a bigger buffer is still written in place.
     buf = torch.zeros(3, 4, 2, 2, 2)
     k_cache, v_cache = buf[..., 0], buf[..., 1]
     k = torch.ones(2, 2, 2)
-    torch_bq.ops.paged_kv_write(k, 2 * k, k_cache, v_cache, torch.tensor([5, -1]))
+    with running(kernel):
+        torch_bq.ops.paged_kv_write(k, 2 * k, k_cache, v_cache, torch.tensor([5, -1]))
     assert buf[1, 1, :, :, 0].eq(1).all() and buf[1, 1, :, :, 1].eq(2).all()
     assert buf.sum().item() == 4 + 8
 
 
-def test_write_then_attend_under_compile():
+@kernels
+def test_write_then_attend_under_compile(kernel):
     case = dict(
         num_requests=2, rows_per_request=3, hkv=2, hq=6, d=8, block_size=4, window=6, causal=False,
         seq_lens=[9, 14], positions=[6, 7, 8, 11, 12, 13], chunk_size=4, seed=11,
@@ -296,8 +382,9 @@ def test_write_then_attend_under_compile():
         )
 
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
-    eager = step(q, step_k, step_v, *caches[0], slots)
-    compiled = torch.compile(step, fullgraph=True)(q, step_k, step_v, *caches[1], slots)
+    with running(kernel, chunk_size=4):
+        eager = step(q, step_k, step_v, *caches[0], slots)
+        compiled = torch.compile(step, fullgraph=True)(q, step_k, step_v, *caches[1], slots)
     expected = dense_attention(q, keys, values, positions, seq_lens, 3, 6, False, 8**-0.5)
     assert torch.equal(eager, compiled)
     for eager_cache, compiled_cache in zip(caches[0], caches[1]):  # bits, so NaN == NaN
@@ -326,24 +413,28 @@ def _attention_sample(num_requests, causal, dtype=torch.float32):
     )
 
 
+@kernels
 @pytest.mark.parametrize(
     "num_requests,causal,dtype",
     [(3, False, torch.float32), (3, True, torch.float32), (2, False, torch.bfloat16), (0, False, torch.float32)],
 )
-def test_opcheck_paged_window_attention(num_requests, causal, dtype):
+def test_opcheck_paged_window_attention(kernel, num_requests, causal, dtype):
     args, kwargs = _attention_sample(num_requests, causal, dtype)
-    torch.library.opcheck(torch.ops.torch_bq.paged_window_attention.default, args, kwargs)
+    with running(kernel, chunk_size=4):
+        torch.library.opcheck(torch.ops.torch_bq.paged_window_attention.default, args, kwargs)
 
 
+@kernels
 @pytest.mark.parametrize("rows", [0, 3])
-def test_opcheck_paged_kv_write(rows):
+def test_opcheck_paged_kv_write(kernel, rows):
     gen = torch.Generator().manual_seed(rows)
     k_cache = torch.randn(4, 4, 2, 8, generator=gen).to(torch.bfloat16)
     v_cache = torch.randn(4, 4, 2, 8, generator=gen).to(torch.bfloat16)
     k = torch.randn(rows, 2, 8, generator=gen).to(torch.bfloat16)
     v = torch.randn(rows, 2, 8, generator=gen).to(torch.bfloat16)
     slots = torch.tensor([9, -1, 2][:rows], dtype=torch.int64)
-    torch.library.opcheck(torch.ops.torch_bq.paged_kv_write.default, (k, v, k_cache, v_cache, slots))
+    with running(kernel):
+        torch.library.opcheck(torch.ops.torch_bq.paged_kv_write.default, (k, v, k_cache, v_cache, slots))
 
 
 # --------------------------------------------------------------------------- #
@@ -404,14 +495,27 @@ def test_attention_errors(change, kw, error, match):
         _attend(a, **kw)
 
 
+@kernels
 @pytest.mark.parametrize("entry", [99, 8, -1])
-def test_block_table_entries_checked_even_without_validate(entry):
+def test_block_table_entries_checked_even_without_validate(kernel, entry):
     # validate=False skips the metadata checks, but the op still refuses a table entry
     # outside the cache (-1 used to read the last block silently, 99 an IndexError).
     a = _valid()
     a["block_table"][1, 2] = entry
-    with pytest.raises(ValueError, match=rf"request 1, logical block 2 maps to physical block {entry}, outside"):
+    with running(kernel), pytest.raises(
+        ValueError, match=rf"request 1, logical block 2 maps to physical block {entry}, outside"
+    ):
         _attend(a, validate=False)
+
+
+@kernels
+def test_kv_write_slot_outside_cache_unvalidated(kernel):
+    # validate=False: every kernel still refuses a slot past the cache, before writing anything.
+    k, v, k_cache, v_cache, slots = _write_args([0, 12])
+    k.fill_(1.0)
+    with running(kernel), pytest.raises(ValueError, match="slots: row 1 writes slot 12, outside the cache's"):
+        torch_bq.ops.paged_kv_write(k, v, k_cache, v_cache, slots, validate=False)
+    assert not k_cache.any()
 
 
 def _write_args(slots=(0, 1), k_shape=(2, 2, 8), k_dtype=torch.float32, cache_shape=(3, 4, 2, 8),

@@ -82,34 +82,9 @@
 
 #include <unistd.h>
 
-// Instruction-set level of this build, from the compiler's target macros
-// (cumulative: each level has everything of the one below).
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define TORCH_BQ_AVX2 1
-#endif
-#if defined(TORCH_BQ_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512DQ__)
-#define TORCH_BQ_AVX512 1
-#endif
-#if defined(TORCH_BQ_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-#define TORCH_BQ_AVX512_BF16 1
-#endif
-
-#if defined(TORCH_BQ_AVX512_BF16)
-#define TORCH_BQ_ISA avx512_bf16
-#elif defined(TORCH_BQ_AVX512)
-#define TORCH_BQ_ISA avx512
-#elif defined(TORCH_BQ_AVX2)
-#define TORCH_BQ_ISA avx2
-#else
-#define TORCH_BQ_ISA generic
-#endif
-#define TORCH_BQ_STR2(x) #x
-#define TORCH_BQ_STR(x) TORCH_BQ_STR2(x)
-#define TORCH_BQ_CAT2(a, b) a##b
-#define TORCH_BQ_CAT(a, b) TORCH_BQ_CAT2(a, b)
-// The op namespace torch_bq_cpu_<level> (torch_bq/ops/cpu/isa.py: op_namespace).
-#define TORCH_BQ_OPS TORCH_BQ_CAT(torch_bq_cpu_, TORCH_BQ_ISA)
+// The ISA level macros (TORCH_BQ_AVX2, TORCH_BQ_AVX512, TORCH_BQ_AVX512_BF16, TORCH_BQ_OPS):
+// one header, shared with attention.cpp.
+#include "isa.h"
 
 #if defined(TORCH_BQ_AVX2)
 #include <immintrin.h>
@@ -1261,8 +1236,6 @@ std::string isa() { return TORCH_BQ_STR(TORCH_BQ_ISA); }
 }  // namespace
 }  // namespace torch_bq_cpu
 
-// TORCH_LIBRARY pastes its argument, so the namespace macro is expanded first.
-#define TORCH_BQ_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
 
 TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
   m.def("isa() -> str", &torch_bq_cpu::isa);
