@@ -65,10 +65,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
-#if defined(TORCH_BQ_AVX2)
+#if defined(TORCH_BQ_AVX2) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -460,8 +461,296 @@ void run_tasks(int64_t count, const Task& task) {
   });
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define TORCH_BQ_DOT_BF16 1
+// --------------------------------------------------------------------------
+// decode path, AVX-512 BF16: weights decoded to bf16 and vdpbf16ps
+// --------------------------------------------------------------------------
+//
+// For 32-wide e8m0 blocks (fp8 bk = 32, MXFP4). Every decoded weight and
+// every A value is exact in bf16 (SPEC.md §1), so a bf16 x bf16 product is
+// exact in fp32; vdpbf16ps adds two such products into an fp32 lane, which
+// is fp32 accumulation in another order. The block scale (a power of two)
+// is applied to each block's fp32 partial sum, exactly as the scalar path
+// factors it out.
+//
+// vdpbf16ps reads subnormal inputs as zero and flushes subnormal results
+// (it ignores MXCSR). The decoded weights are normal or zero (fp8: e4m3 is
+// at least 2**-9; fp4: at least 0.5), so only A matters: every product is a
+// multiple of 2**(e_a - 7 - 9) (fp8) or 2**(e_a - 7 - 1) (fp4), where e_a is
+// the smallest exponent of a nonzero A value, and so is every partial sum;
+// when that quantum is at least 2**-126 nothing is ever subnormal and the
+// instruction is exact IEEE arithmetic. A call whose A has a smaller
+// exponent (or values that are not bf16) takes the fp32 path instead.
+//
+// Layout: K in groups of 64 elements (two 32-blocks). A group of a weight row
+// decodes to two registers of 32 bf16 words in an order that is cheapest to
+// produce (Fp8Dot::element / Fp4Dot::element say which element each word
+// holds); A is copied once per call into bf16 [M, Kp] (Kp = K rounded up to
+// 64, zero padded) with every group in that same order. In both orders fp32
+// lanes 0-7 of the dot product hold the group's first block and lanes 8-15
+// its second, so one register of 16 lane scales serves the group.
+//   for n-tile (NT rows): for m-tile (MT rows): for 16-block span:
+//     s16 = e8m0 scales of the span (per row)
+//     for group g: w0, w1 = decode(W[n, g]); for m: t = dot(w0, A0) + dot(w1, A1)
+//                  acc[m][n] += t * s16[lanes of g]
+// Tiles: NT = 4 x MT = 1-3 (decode shared by nothing, four rows in flight),
+// NT = 2 x MT = 4-8 below 9 rows, else NT = 1 with MT <= 8 row tiles.
+namespace dotbf16 {
+
+constexpr int64_t kGroup = 64;
+
+// fp8: 64 bytes -> two 128-entry byte lookups (high and low byte of the bf16
+// encoding of each e4m3 magnitude, subnormals included), the sign ORed into
+// the high byte, then an in-lane byte interleave: word q of the first
+// register is element 16 * (q / 8) + q % 8, of the second 8 more.
+struct Fp8Dot {
+  static constexpr int kMinExponentA = -126 + 7 + 9;
+  static constexpr int64_t kGroupBytes = 64;
+  static int64_t element(int64_t word) {
+    const int64_t half = word / 32, q = word % 32;
+    return 16 * (q / 8) + 8 * half + q % 8;
+  }
+  __m512i hi0, hi1, lo0, lo1;
+  Fp8Dot() {
+    alignas(64) uint8_t hi[128], lo[128];
+    for (int c = 0; c < 128; ++c) {
+      const uint32_t b = bits_from_f32(kTables.e4m3[c]);  // exact in bf16: the low 16 bits are 0
+      hi[c] = static_cast<uint8_t>(b >> 24);
+      lo[c] = static_cast<uint8_t>(b >> 16);
+    }
+    hi0 = _mm512_load_si512(hi);
+    hi1 = _mm512_load_si512(hi + 64);
+    lo0 = _mm512_load_si512(lo);
+    lo1 = _mm512_load_si512(lo + 64);
+  }
+  void decode(const uint8_t* row, int64_t g, __m512i& w0, __m512i& w1) const {
+    bytes(_mm512_loadu_si512(row + g * 64), w0, w1);
+  }
+  void decode_masked(const uint8_t* row, int64_t g, __mmask64 valid, __m512i& w0, __m512i& w1) const {
+    bytes(_mm512_maskz_loadu_epi8(valid, row + g * 64), w0, w1);
+  }
+  void bytes(__m512i b, __m512i& w0, __m512i& w1) const {
+    __m512i hi = _mm512_permutex2var_epi8(hi0, b, hi1);  // index bits 0-6: the magnitude
+    const __m512i lo = _mm512_permutex2var_epi8(lo0, b, lo1);
+    hi = _mm512_ternarylogic_epi32(hi, b, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // hi | (b & 0x80)
+    w0 = _mm512_unpacklo_epi8(lo, hi);
+    w1 = _mm512_unpackhi_epi8(lo, hi);
+  }
+  static __mmask64 valid_bytes(int64_t row_bytes, int64_t g) {
+    const int64_t left = row_bytes - g * 64;
+    return left >= 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
+  }
+};
+
+// MXFP4: 32 bytes zero-extended to words; a 16-bit lookup of the low nibble
+// (index bits 0-4, so the table is the 16 e2m1 values twice) gives the even
+// elements, of the word shifted right by 4 the odd ones: word q of the first
+// register is element 2q, of the second 2q + 1.
+struct Fp4Dot {
+  static constexpr int kMinExponentA = -126 + 7 + 1;
+  static constexpr int64_t kGroupBytes = 32;
+  static int64_t element(int64_t word) { return word < 32 ? 2 * word : 2 * (word - 32) + 1; }
+  __m512i lut;
+  Fp4Dot() {
+    alignas(64) uint16_t t[32];
+    for (int i = 0; i < 32; ++i) t[i] = static_cast<uint16_t>(bits_from_f32(kTables.fp4[i % 16]) >> 16);
+    lut = _mm512_load_si512(t);
+  }
+  void decode(const uint8_t* row, int64_t g, __m512i& w0, __m512i& w1) const {
+    bytes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 32)), w0, w1);
+  }
+  void decode_masked(const uint8_t* row, int64_t g, __mmask32 valid, __m512i& w0, __m512i& w1) const {
+    bytes(_mm256_maskz_loadu_epi8(valid, row + g * 32), w0, w1);
+  }
+  void bytes(__m256i raw, __m512i& w0, __m512i& w1) const {
+    const __m512i b = _mm512_cvtepu8_epi16(raw);
+    w0 = _mm512_permutexvar_epi16(b, lut);
+    w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut);
+  }
+  static __mmask32 valid_bytes(int64_t row_bytes, int64_t g) {
+    const int64_t left = row_bytes - g * 32;
+    return left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
+  }
+};
+
+template <class Fmt>
+struct DotFor;
+template <>
+struct DotFor<Fp8Format> {
+  using type = Fp8Dot;
+};
+template <>
+struct DotFor<Fp4Format> {
+  using type = Fp4Dot;
+};
+
+// The e8m0 values of up to 16 consecutive block codes (masked-off ones read
+// as code 0): exact, 2**-127 (an fp32 subnormal) and NaN included.
+inline __m512 e8m0x16(const uint8_t* codes, __mmask16 valid) {
+  const __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(valid, codes));
+  __m512i bits = _mm512_slli_epi32(c, 23);
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(c, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(c, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(bits);
+}
+
+// A [M, K] fp32 -> bf16 [M, Kp] in the decoder's word order, zero padded.
+// Returns false when A cannot take this path: a value that is not exactly
+// bf16, or a nonzero magnitude with an exponent below kMinExponentA.
+template <class D>
+bool prepare_activation(const float* A, int64_t M, int64_t K, int64_t kp, uint16_t* dst) {
+  int64_t source[kGroup];
+  for (int64_t j = 0; j < kGroup; ++j) source[j] = D::element(j);
+  const uint32_t min_field = static_cast<uint32_t>(127 + D::kMinExponentA);
+  bool ok = true;
+  for (int64_t m = 0; m < M && ok; ++m) {
+    const float* a = A + m * K;
+    uint16_t* d = dst + m * kp;
+    for (int64_t g = 0; g < kp / kGroup; ++g) {
+      const int64_t k0 = g * kGroup;
+      for (int64_t j = 0; j < kGroup; ++j) {
+        const int64_t k = k0 + source[j];
+        const uint32_t bits = k < K ? bits_from_f32(a[k]) : 0u;
+        const uint32_t magnitude = bits & 0x7FFFFFFFu;
+        ok = ok && (bits & 0xFFFFu) == 0 && (magnitude == 0 || (magnitude >> 23) >= min_field);
+        d[k0 + j] = static_cast<uint16_t>(bits >> 16);
+      }
+    }
+  }
+  return ok;
+}
+
+struct Problem {
+  const WeightView* w;
+  const uint16_t* a;  // bf16 [M, kp]
+  int64_t kp, ngroups, nblocks, row_bytes;
+  float* out;         // [M, N]
+  int64_t N;
+};
+
+// out[m0:m0+MT, n0:n0+NT]
+template <class D, int MT, int NT>
+void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
+  const WeightView& w = *p.w;
+  const uint8_t* rows[NT];
+  const uint8_t* srows[NT];
+  for (int j = 0; j < NT; ++j) {
+    rows[j] = w.data + (n0 + j) * w.row_stride;
+    srows[j] = static_cast<const uint8_t*>(w.scale) + ((n0 + j) / w.bn) * w.scale_stride;
+  }
+  const uint16_t* arows[MT];
+  for (int i = 0; i < MT; ++i) arows[i] = p.a + (m0 + i) * p.kp;
+  __m512 acc[MT][NT];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+  const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const int64_t full = p.row_bytes / D::kGroupBytes;  // groups without a partial load
+  // The weight streams from memory in NT short row streams, too short for the
+  // hardware prefetchers to ramp up; so each group also prefetches its share
+  // of the next NT rows (contiguous with these), one tile ahead.
+  const uint8_t* ahead = w.data + (n0 + NT) * w.row_stride;
+  constexpr int64_t kAheadLines = NT * D::kGroupBytes / 64;
+  for (int j = 0; j < NT; ++j) {  // and the next rows' scales, a few short rows of their own
+    const int64_t n = std::min(n0 + NT + j, p.N - 1);
+    const uint8_t* s = static_cast<const uint8_t*>(w.scale) + (n / w.bn) * w.scale_stride;
+    for (int64_t c = 0; c < p.nblocks; c += 64) _mm_prefetch(reinterpret_cast<const char*>(s + c), _MM_HINT_T0);
+  }
+  auto group = [&](int64_t g, const __m512 (&s16)[NT], __m512i lanes, auto masked) {
+    for (int64_t c = 0; c < kAheadLines; ++c)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + (g * kAheadLines + c) * 64), _MM_HINT_T0);
+    for (int j = 0; j < NT; ++j) {
+      __m512i w0, w1;
+      if constexpr (decltype(masked)::value)
+        dec.decode_masked(rows[j], g, D::valid_bytes(p.row_bytes, g), w0, w1);
+      else
+        dec.decode(rows[j], g, w0, w1);
+      const __m512 s = _mm512_permutexvar_ps(lanes, s16[j]);
+      for (int i = 0; i < MT; ++i) {
+        const uint16_t* a = arows[i] + g * kGroup;
+        __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w0, (__m512bh)_mm512_loadu_si512(a));
+        t = _mm512_dpbf16_ps(t, (__m512bh)w1, (__m512bh)_mm512_loadu_si512(a + 32));
+        acc[i][j] = _mm512_fmadd_ps(t, s, acc[i][j]);
+      }
+    }
+  };
+  for (int64_t g0 = 0; g0 < p.ngroups; g0 += 8) {
+    // Scales of blocks 2 g0 .. 2 g0 + 15 (the eight groups of this span).
+    const int64_t left = p.nblocks - 2 * g0;
+    const __mmask16 svalid = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    __m512 s16[NT];
+    for (int j = 0; j < NT; ++j) s16[j] = e8m0x16(srows[j] + 2 * g0, svalid);
+    const int64_t g1 = std::min(p.ngroups, g0 + 8);
+    __m512i lanes = pair;
+    int64_t g = g0;
+    for (; g < std::min(g1, full); ++g) {
+      group(g, s16, lanes, std::false_type{});
+      lanes = _mm512_add_epi32(lanes, _mm512_set1_epi32(2));
+    }
+    for (; g < g1; ++g) {
+      group(g, s16, lanes, std::true_type{});
+      lanes = _mm512_add_epi32(lanes, _mm512_set1_epi32(2));
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <class D, int NT>
+void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
+  // Row tiles of near-equal height <= kMaxMT (NT = 1, 2) or <= 3 (NT = 4).
+  constexpr int kMaxMT = NT == 4 ? 3 : 8;
+  const int64_t tiles = (M + kMaxMT - 1) / kMaxMT;
+  int64_t m0 = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t mt = (M - m0) / (tiles - t);
+    switch (mt) {
+#define TORCH_BQ_TILE(R) \
+  case R:                \
+    if constexpr (R <= kMaxMT) tile<D, R, NT>(dec, p, m0, n0); \
+    break;
+      TORCH_BQ_TILE(1) TORCH_BQ_TILE(2) TORCH_BQ_TILE(3) TORCH_BQ_TILE(4)
+      TORCH_BQ_TILE(5) TORCH_BQ_TILE(6) TORCH_BQ_TILE(7) TORCH_BQ_TILE(8)
+#undef TORCH_BQ_TILE
+      default: break;
+    }
+    m0 += mt;
+  }
+}
+
+// The whole decode-path call; false (nothing written) when A cannot take it.
+template <class Fmt>
+bool linear(const WeightView& w, const float* A, int64_t M, int64_t N, float* out) {
+  using D = typename DotFor<Fmt>::type;
+  const int64_t kp = (w.K + kGroup - 1) / kGroup * kGroup;
+  std::vector<uint16_t> a(M * kp);
+  if (!prepare_activation<D>(A, M, w.K, kp, a.data())) return false;
+  static const D dec;
+  const Problem p{&w, a.data(), kp, kp / kGroup, (w.K + 31) / 32, Fmt::row_bytes(w.K), out, N};
+  const int nt = M <= 3 ? 4 : M <= 8 ? 2 : 1;
+  constexpr int64_t kRowsPerTask = 16;  // a multiple of every NT
+  run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
+    const int64_t n_end = std::min(N, (t + 1) * kRowsPerTask);
+    int64_t n = t * kRowsPerTask;
+    if (nt == 4)
+      for (; n + 4 <= n_end; n += 4) rows_tile<D, 4>(dec, p, M, n);
+    if (nt >= 2)
+      for (; n + 2 <= n_end; n += 2) rows_tile<D, 2>(dec, p, M, n);
+    for (; n < n_end; ++n) rows_tile<D, 1>(dec, p, M, n);
+  });
+  return true;
+}
+
+}  // namespace dotbf16
+#endif  // AVX-512 BF16 + VBMI
+
 template <class Fmt, class S>
 void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, float* out) {
+#if defined(TORCH_BQ_DOT_BF16)
+  if constexpr (std::is_same_v<S, uint8_t>) {
+    if (w.bk == 32 && dotbf16::linear<Fmt>(w, A, M, N, out)) return;
+  }
+#endif
   constexpr int64_t kRowsPerTask = 16;  // multiple of the tile height NT
   std::vector<float> split;
 #if defined(TORCH_BQ_AVX2)
@@ -721,6 +1010,18 @@ at::Tensor qdq_fp8(const at::Tensor& x, double peak, bool fp32_out) {
   return out;
 }
 
+// The decode kernels this build runs for 32-wide e8m0 blocks: "avx512_bf16"
+// (vdpbf16ps, AVX-512 BW + VBMI), "avx2" (fp32 FMA) or "generic" (scalar).
+std::string decode_isa() {
+#if defined(TORCH_BQ_DOT_BF16)
+  return "avx512_bf16";
+#elif defined(TORCH_BQ_AVX2)
+  return "avx2";
+#else
+  return "generic";
+#endif
+}
+
 bool vectorized() {
 #if defined(TORCH_BQ_AVX2)
   return true;
@@ -741,4 +1042,5 @@ TORCH_LIBRARY(torch_bq_cpu, m) {
   m.def("fp4_linear(Tensor a, Tensor weight, Tensor scale, Tensor? bias, int decode_max_m, int panel_bytes) -> Tensor",
         &torch_bq_cpu::fp4_linear);
   m.def("vectorized() -> bool", &torch_bq_cpu::vectorized);
+  m.def("decode_isa() -> str", &torch_bq_cpu::decode_isa);
 }

@@ -27,7 +27,7 @@ from .. import _backend
 
 __all__ = ["DECODE_MAX_M", "PANEL_BYTES", "fp8_linear", "fp4_linear", "qdq_fp8"]
 
-DECODE_MAX_M = 16
+DECODE_MAX_M = 32
 PANEL_BYTES = 4 << 20
 
 
