@@ -596,15 +596,14 @@ inline __m512 e8m0x16(const uint8_t* codes, __mmask16 valid) {
 }
 
 // A [M, K] fp32 -> bf16 [M, Kp] in the decoder's word order, zero padded.
-// Returns false when A cannot take this path: a value that is not exactly
-// bf16, or a nonzero magnitude with an exponent below kMinExponentA.
+// Returns the smallest exponent field of a nonzero A value (255 when A is all
+// zero), or -1 when a value is not exactly bf16 (then A cannot take this path).
 template <class D>
-bool prepare_activation(const float* A, int64_t M, int64_t K, int64_t kp, uint16_t* dst) {
+int prepare_activation(const float* A, int64_t M, int64_t K, int64_t kp, uint16_t* dst) {
   int64_t source[kGroup];
   for (int64_t j = 0; j < kGroup; ++j) source[j] = D::element(j);
-  const uint32_t min_field = static_cast<uint32_t>(127 + D::kMinExponentA);
-  bool ok = true;
-  for (int64_t m = 0; m < M && ok; ++m) {
+  uint32_t min_field = 255, low_bits = 0;
+  for (int64_t m = 0; m < M; ++m) {
     const float* a = A + m * K;
     uint16_t* d = dst + m * kp;
     for (int64_t g = 0; g < kp / kGroup; ++g) {
@@ -613,17 +612,19 @@ bool prepare_activation(const float* A, int64_t M, int64_t K, int64_t kp, uint16
         const int64_t k = k0 + source[j];
         const uint32_t bits = k < K ? bits_from_f32(a[k]) : 0u;
         const uint32_t magnitude = bits & 0x7FFFFFFFu;
-        ok = ok && (bits & 0xFFFFu) == 0 && (magnitude == 0 || (magnitude >> 23) >= min_field);
+        low_bits |= bits & 0xFFFFu;
+        if (magnitude != 0) min_field = std::min(min_field, magnitude >> 23);
         d[k0 + j] = static_cast<uint16_t>(bits >> 16);
       }
     }
   }
-  return ok;
+  return low_bits != 0 ? -1 : static_cast<int>(min_field);
 }
 
 struct Problem {
   const WeightView* w;
   const uint16_t* a;  // bf16 [M, kp]
+  int a_min_field;    // smallest exponent field of a nonzero A value (255: none)
   int64_t kp, ngroups, nblocks, row_bytes;
   float* out;         // [M, N]
   int64_t N;
@@ -696,6 +697,106 @@ void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
     for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
+// MXFP4 with the block scale folded into the decoded bf16 weights, for
+// several activation rows (MT >= 4): the scale then costs nothing per row,
+// and each row is two vdpbf16ps per group. Per group, each block's 16-entry
+// table of e2m1 values gets the block's exponent added to its nonzero
+// entries; one two-table lookup (index bit 5: which block) decodes both.
+// Exact while every scaled value is a normal bf16 (codes 2..252) and every
+// product stays a multiple of 2**-126: a (a multiple of 2**(e_a - 7)) times a
+// multiple of 2**(c - 128) needs e_a + c - 135 >= -126. A tile whose codes
+// do not allow it returns false and takes the general tile.
+struct Fp4ScaledCheck {
+  static bool codes_ok(const uint8_t* srow, int64_t nblocks, int a_min_field) {
+    // e_a = a_min_field - 127 (a_min_field 255: A is zero, any code in range will do).
+    const int lowest = std::max(2, a_min_field == 255 ? 2 : 9 - (a_min_field - 127));
+    if (lowest > 252) return false;
+    const __m512i lo = _mm512_set1_epi8(static_cast<char>(lowest)), hi = _mm512_set1_epi8(static_cast<char>(252));
+    for (int64_t b = 0; b < nblocks; b += 64) {
+      const __mmask64 valid = nblocks - b >= 64 ? ~__mmask64(0) : (__mmask64(1) << (nblocks - b)) - 1;
+      const __m512i c = _mm512_maskz_loadu_epi8(valid, srow + b);
+      if ((_mm512_mask_cmplt_epu8_mask(valid, c, lo) | _mm512_mask_cmpgt_epu8_mask(valid, c, hi)) != 0) return false;
+    }
+    return true;
+  }
+};
+
+template <int MT, int NT>
+bool fp4_scaled_tile(const Fp4Dot& dec, const Problem& p, int64_t m0, int64_t n0) {
+  const WeightView& w = *p.w;
+  const uint8_t* rows[NT];
+  const uint8_t* srows[NT];
+  for (int j = 0; j < NT; ++j) {
+    rows[j] = w.data + (n0 + j) * w.row_stride;
+    srows[j] = static_cast<const uint8_t*>(w.scale) + (n0 + j) * w.scale_stride;
+    if (!Fp4ScaledCheck::codes_ok(srows[j], p.nblocks, p.a_min_field)) return false;
+  }
+  const uint16_t* arows[MT];
+  for (int i = 0; i < MT; ++i) arows[i] = p.a + (m0 + i) * p.kp;
+  // One accumulator per (row, weight row): NT x MT <= 16 registers, and
+  // each group's A values are loaded once for NT weight rows.
+  __m512 acc[MT][NT];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi16(0x0F);
+  // Index bit 5 picks the second table for words 16..31 (the group's second block).
+  const __m512i second = _mm512_maskz_set1_epi16(0xFFFF0000u, 0x20);
+  constexpr __mmask32 kNonzero = 0xFEFE;  // table entries 0 and 8 are +-0
+  const uint8_t* ahead = w.data + (n0 + NT) * w.row_stride;
+  const int64_t full = p.row_bytes / Fp4Dot::kGroupBytes;
+  for (int64_t g = 0; g < p.ngroups; ++g) {
+    for (int64_t c = 0; c < NT / 2; ++c)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + (g * (NT / 2) + c) * 64), _MM_HINT_T0);
+    const int64_t b0 = 2 * g, b1 = std::min(2 * g + 1, p.nblocks - 1);  // past the end: any valid code
+    __m512bh even[NT], odd[NT];
+    for (int j = 0; j < NT; ++j) {
+      const __m512i t0 = _mm512_mask_add_epi16(dec.lut, kNonzero, dec.lut,
+                                               _mm512_set1_epi16(static_cast<short>((int(srows[j][b0]) - 127) << 7)));
+      const __m512i t1 = _mm512_mask_add_epi16(dec.lut, kNonzero, dec.lut,
+                                               _mm512_set1_epi16(static_cast<short>((int(srows[j][b1]) - 127) << 7)));
+      const __m256i raw = g < full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + g * 32))
+                                   : _mm256_maskz_loadu_epi8(Fp4Dot::valid_bytes(p.row_bytes, g), rows[j] + g * 32);
+      const __m512i b = _mm512_cvtepu8_epi16(raw);
+      const __m512i idx_even = _mm512_ternarylogic_epi32(b, nibble, second, 0xEA);  // (b & 0x0F) | second
+      const __m512i idx_odd = _mm512_or_si512(_mm512_srli_epi16(b, 4), second);
+      even[j] = (__m512bh)_mm512_permutex2var_epi16(t0, idx_even, t1);
+      odd[j] = (__m512bh)_mm512_permutex2var_epi16(t0, idx_odd, t1);
+    }
+    for (int i = 0; i < MT; ++i) {
+      const __m512bh a0 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup);
+      const __m512bh a1 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup + 32);
+      for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j], even[j], a0), odd[j], a1);
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+  return true;
+}
+
+// fp4 from 4 rows: NT = 4 weight rows x m-tiles of near-equal height <= 4;
+// a tile whose scale codes rule out the folded path takes the general one.
+inline void fp4_scaled_rows(const Fp4Dot& dec, const Problem& p, int64_t M, int64_t n0) {
+  const int64_t tiles = (M + 3) / 4;
+  int64_t m0 = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t mt = (M - m0) / (tiles - t);
+    bool done = false;
+    switch (mt) {
+      case 1: done = fp4_scaled_tile<1, 4>(dec, p, m0, n0); break;
+      case 2: done = fp4_scaled_tile<2, 4>(dec, p, m0, n0); break;
+      case 3: done = fp4_scaled_tile<3, 4>(dec, p, m0, n0); break;
+      default: done = fp4_scaled_tile<4, 4>(dec, p, m0, n0); break;
+    }
+    if (!done) {
+      for (int j = 0; j < 4; ++j)
+        for (int64_t i = 0; i < mt; ++i) {  // the general tile, one row pair at a time
+          tile<Fp4Dot, 1, 1>(dec, p, m0 + i, n0 + j);
+        }
+    }
+    m0 += mt;
+  }
+}
+
 template <class D, int NT>
 void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
   // Row tiles of near-equal height <= kMaxMT (NT = 1, 2) or <= 3 (NT = 4).
@@ -705,9 +806,11 @@ void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t mt = (M - m0) / (tiles - t);
     switch (mt) {
-#define TORCH_BQ_TILE(R) \
-  case R:                \
-    if constexpr (R <= kMaxMT) tile<D, R, NT>(dec, p, m0, n0); \
+#define TORCH_BQ_TILE(R)                                                                 \
+  case R:                                                                                \
+    if constexpr (R <= kMaxMT) {                                                         \
+      tile<D, R, NT>(dec, p, m0, n0);                                                    \
+    }                                                                                    \
     break;
       TORCH_BQ_TILE(1) TORCH_BQ_TILE(2) TORCH_BQ_TILE(3) TORCH_BQ_TILE(4)
       TORCH_BQ_TILE(5) TORCH_BQ_TILE(6) TORCH_BQ_TILE(7) TORCH_BQ_TILE(8)
@@ -724,14 +827,20 @@ bool linear(const WeightView& w, const float* A, int64_t M, int64_t N, float* ou
   using D = typename DotFor<Fmt>::type;
   const int64_t kp = (w.K + kGroup - 1) / kGroup * kGroup;
   std::vector<uint16_t> a(M * kp);
-  if (!prepare_activation<D>(A, M, w.K, kp, a.data())) return false;
+  const int a_min_field = prepare_activation<D>(A, M, w.K, kp, a.data());
+  if (a_min_field < 0 || (a_min_field != 255 && a_min_field - 127 < D::kMinExponentA)) return false;
   static const D dec;
-  const Problem p{&w, a.data(), kp, kp / kGroup, (w.K + 31) / 32, Fmt::row_bytes(w.K), out, N};
+  const Problem p{&w, a.data(), a_min_field, kp, kp / kGroup, (w.K + 31) / 32, Fmt::row_bytes(w.K), out, N};
+  const bool fp4_scaled = std::is_same_v<D, Fp4Dot> && M >= 4;
   const int nt = M <= 3 ? 4 : M <= 8 ? 2 : 1;
   constexpr int64_t kRowsPerTask = 16;  // a multiple of every NT
   run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
     const int64_t n_end = std::min(N, (t + 1) * kRowsPerTask);
     int64_t n = t * kRowsPerTask;
+    if constexpr (std::is_same_v<D, Fp4Dot>) {
+      if (fp4_scaled)
+        for (; n + 4 <= n_end; n += 4) fp4_scaled_rows(dec, p, M, n);
+    }
     if (nt == 4)
       for (; n + 4 <= n_end; n += 4) rows_tile<D, 4>(dec, p, M, n);
     if (nt >= 2)
