@@ -132,10 +132,11 @@ def build_ggml(cache: Path, isa: str) -> Path:
     print(f"building ggml ({isa}) in {build}", flush=True)
     common = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DCMAKE_POSITION_INDEPENDENT_CODE=ON",
               "-DGGML_OPENMP=OFF", "-DGGML_CCACHE=OFF", "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF"]
-    subprocess.run(["cmake", "-S", str(project), "-B", str(build), *common, *GGML_BUILDS[isa]], check=True,
-                   stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 1), "--target", "bq_ggml_shim"],
-                   check=True, stdout=subprocess.DEVNULL)
+    for step in (["cmake", "-S", str(project), "-B", str(build), *common, *GGML_BUILDS[isa]],
+                 ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 1), "--target", "bq_ggml_shim"]):
+        done = subprocess.run(step, capture_output=True, text=True)  # ggml's compiler warnings stay out of the report
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(step[:2])} failed:\n{(done.stdout + done.stderr)[-3000:]}")
     return lib
 
 
