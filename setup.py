@@ -1,9 +1,72 @@
+import platform
 import re
+import runpy
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
 
 version = re.search(r'^__version__ = "(.+)"$', Path("torch_bq/__init__.py").read_text(), re.M).group(1)
+# The ISA levels and their flags, shared with the run-time loader (imports nothing).
+isa = runpy.run_path("torch_bq/ops/cpu/isa.py")
+SOURCE = Path("torch_bq/ops/cpu/kernels.cpp")
+
+
+def cpu_kernel_extensions():
+    """The CPU kernels, one library per ISA level, built here at install time.
+
+    Empty (the kernels are then built on first use, or the reference runs) when
+    torch's extension builder or a C++ compiler is missing. A level whose flags
+    the compiler rejects is left out; the loader then picks the best one built.
+    """
+    try:
+        import torch
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        return [], {}
+    compiler = shutil.which("c++")
+    if compiler is None:
+        print("torch_bq: no C++ compiler; the CPU kernels will be built on first use", file=sys.stderr)
+        return [], {}
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    extensions = []
+    for level in isa["LEVELS"]:
+        flags = isa["compile_flags"](level)
+        if level in isa["X86_ONLY"] and not x86:
+            continue
+        probe = subprocess.run([compiler, *flags, "-x", "c++", "-E", "-"], input="", capture_output=True, text=True)
+        if probe.returncode != 0:
+            print(f"torch_bq: {compiler} rejects the {level} flags; that level is not built", file=sys.stderr)
+            continue
+        # One source file per level (each includes kernels.cpp), so the levels'
+        # object files do not overwrite each other in the shared build directory.
+        stub = Path("build", "torch_bq_kernels", f"{level}.cpp")
+        stub.parent.mkdir(parents=True, exist_ok=True)
+        stub.write_text(f'#include "{SOURCE.resolve()}"\n')
+        extensions.append(
+            CppExtension(
+                name=f"torch_bq.ops.cpu.{isa['module_name'](level, torch.__version__)}",
+                sources=[str(stub)],
+                extra_compile_args=flags,
+                extra_link_args=list(isa["LINK_FLAGS"]),
+            )
+        )
+
+    class BuildKernels(BuildExtension.with_options(use_ninja=False)):
+        """Builds the levels in parallel: one compiler process each (ninja's build file would be
+        shared between them)."""
+
+        def finalize_options(self):
+            super().finalize_options()
+            if self.parallel is None:
+                self.parallel = True
+
+    return extensions, {"build_ext": BuildKernels}
+
+
+ext_modules, cmdclass = cpu_kernel_extensions()
 
 setup(
     name="torch_bq",
@@ -12,8 +75,10 @@ setup(
     long_description=Path("README.md").read_text(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["torch_bq", "torch_bq.*"]),
-    # The fast CPU kernels ship as source and are compiled on first use.
+    # The kernel source ships too: the JIT fallback builds from it when a library is missing.
     package_data={"torch_bq.ops.cpu": ["*.cpp"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
     python_requires=">=3.10",
     # The lower bound is the first release with float8_e8m0fnu and float4_e2m1fn_x2.
     # ninja: torch.utils.cpp_extension's build tool for the CPU kernels.

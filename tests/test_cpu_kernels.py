@@ -1,18 +1,18 @@
 """The fast CPU kernels (torch_bq/ops/cpu) against the contract, next to the reference.
 
-Every math test body runs over both twins, which share one positional
-signature: ``fast`` (the compiled kernels, the ops' ``cpu`` kernels) and
-``reference``. Linear results are checked against float64 with the bound of
+Every math test body runs over the reference and each ISA level of the
+compiled kernels this CPU has (``generic``, ``avx2``, ``avx512``,
+``avx512_bf16``: one library per level, all loaded into this process), which
+share one positional signature. A level that does not load fails its tests
+(or skips them where no C++ compiler exists), never runs the reference in its
+place. Linear results are checked against float64 with the bound of
 :func:`torch_bq.testing.assert_linear_close` (fp32 accumulation of K + 1 terms
 in any order plus one output rounding); qdq is bit-exact.
 """
 
+import os
 import shutil
-import subprocess
-import sys
-import textwrap
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,12 +24,38 @@ from torch_bq.ops import _backend
 from torch_bq.ops.cpu import linear as fast
 from torch_bq.testing import activations, assert_linear_close, fp4_weights, fp8_weights
 
-FP8 = {"fast": fast.fp8_linear, "reference": reference.fp8_linear}
-FP4 = {"fast": fast.fp4_linear, "reference": reference.fp4_linear}
-QDQ = {"fast": fast.qdq_fp8, "reference": formats.qdq_fp8}
-impls = pytest.mark.parametrize("impl", ["fast", "reference"])
-
 HAS_COMPILER = shutil.which("c++") is not None
+LEVELS = _backend.supported_cpu_isas()
+IMPLS = ["reference", *LEVELS]
+
+
+def at_level(level, kernel):
+    """``kernel`` (a fast wrapper of torch_bq.ops.cpu.linear) run with the ``level`` kernels selected."""
+
+    def run(*args):
+        if _backend.cpu_kernels(level) is None:
+            if HAS_COMPILER or os.environ.get(_backend.REQUIRE_ENV):
+                pytest.fail(f"the {level} CPU kernels did not build or load")
+            pytest.skip(f"no C++ compiler and no installed {level} library")
+        previous = _backend.set_cpu_isa_cap(level)
+        try:
+            assert _backend.cpu_selection().isa == level
+            return kernel(*args)
+        finally:
+            _backend.set_cpu_isa_cap(previous)
+
+    return run
+
+
+FP8 = {"reference": reference.fp8_linear, **{level: at_level(level, fast.fp8_linear) for level in LEVELS}}
+FP4 = {"reference": reference.fp4_linear, **{level: at_level(level, fast.fp4_linear) for level in LEVELS}}
+QDQ = {"reference": formats.qdq_fp8, **{level: at_level(level, fast.qdq_fp8) for level in LEVELS}}
+impls = pytest.mark.parametrize("impl", IMPLS)
+
+
+def other_than(impl):
+    """The twin a qdq result is compared with bit for bit: the reference, or the best level for the reference."""
+    return "reference" if impl != "reference" else LEVELS[-1]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -55,28 +81,85 @@ def small_panels(monkeypatch):
 
 
 # --------------------------------------------------------------------------- #
-# the kernels are there and are what the ops run
+# the kernels are there, one library per level, and are what the ops run
 # --------------------------------------------------------------------------- #
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: the reference fallback is tested below")
-def test_kernels_build_where_a_compiler_exists():
-    kernels = _backend.cpu_kernels()
-    assert kernels is not None
-    assert kernels.vectorized() == (_backend.cpu_isa() == "avx2")
+def test_every_level_the_cpu_has_loads_and_the_best_one_runs():
+    info = ops.backend_info()["cpu"]
+    assert info["supported"] == list(LEVELS)
+    assert info["kernels"] == "fast" and info["isa"] == _backend.cpu_isa()
+    for level in LEVELS:
+        kernels = _backend.cpu_kernels(level)
+        assert kernels is not None, f"{level} did not load"
+        assert kernels.isa() == level
+        assert kernels.vectorized() == (level != "generic")
+
+
+def test_levels_follow_the_cpu_features(monkeypatch):
+    """The level comes from the CPU's own flags: AVX2 needs FMA and F16C too, AVX-512 needs F/BW/VL/DQ."""
+    AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+    LEVELS_ALL = ("generic", "avx2", "avx512", "avx512_bf16")
+    cases = [
+        ({"sse2"}, ("generic",)),
+        ({"avx2", "fma"}, ("generic",)),
+        ({"avx2", "fma", "f16c", "avx512f"}, ("generic", "avx2")),
+        ({"avx2", "fma", "f16c", *AVX512}, ("generic", "avx2", "avx512")),
+        ({"avx2", "fma", "f16c", *AVX512, "avx512_bf16", "avx512_vnni"}, ("generic", "avx2", "avx512")),  # Cooper Lake
+        ({"avx2", "fma", "f16c", *AVX512, "avx512_bf16", "avx512_vnni", "avx512vbmi"}, LEVELS_ALL),
+    ]
+    monkeypatch.setattr(_backend.platform, "machine", lambda: "x86_64")
+    for features, levels in cases:
+        monkeypatch.setattr(_backend, "cpu_features", lambda features=features: frozenset(features))
+        assert _backend.supported_cpu_isas() == levels, features
+    monkeypatch.setattr(_backend.platform, "machine", lambda: "aarch64")
+    assert _backend.supported_cpu_isas() == ("generic",)
+
+
+def test_isa_cap_by_function_and_environment(monkeypatch):
+    best = LEVELS[-1]
+    monkeypatch.delenv(_backend.ISA_ENV, raising=False)
+    assert _backend.cpu_isa() == best
+    previous = _backend.set_cpu_isa_cap("generic")
+    try:
+        assert _backend.cpu_isa() == "generic"
+        monkeypatch.setenv(_backend.ISA_ENV, best)
+        assert _backend.cpu_isa() == "generic"  # the function's cap wins over the environment's
+    finally:
+        _backend.set_cpu_isa_cap(previous)
+    assert _backend.cpu_isa() == best
+    monkeypatch.setenv(_backend.ISA_ENV, "generic")
+    assert _backend.cpu_isa() == "generic"
+    monkeypatch.setenv(_backend.ISA_ENV, "avx3")
+    with pytest.raises(ValueError, match=r"TORCH_BQ_CPU_ISA: expected one of generic, avx2"):
+        _backend.cpu_isa()
+    with pytest.raises(ValueError, match="CPU ISA level: expected one of"):
+        _backend.set_cpu_isa_cap("sse4")
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="needs the compiled kernels")
-def test_ops_dispatch_to_the_fast_kernels_on_cpu(monkeypatch):
+def test_ops_dispatch_to_the_fast_kernels_and_set_kernel_enabled_switches_them_off(monkeypatch):
     torch.manual_seed(0)
     d, s = formats.quantize_fp8(torch.randn(40, 64))
+    p, s4 = formats.quantize_fp4(torch.randn(40, 64))
     x = torch.randn(3, 64)
     kernels, calls = _backend.cpu_kernels(), []
     monkeypatch.setattr(_backend, "cpu_kernels", lambda: calls.append(1) or kernels)
-    ops.fp8_linear(x, d, s)
-    ops.fp4_linear(x, *formats.quantize_fp4(torch.randn(40, 64)))
-    ops.qdq_fp8(x)
+
+    def run():
+        return ops.fp8_linear(x, d, s), ops.fp4_linear(x, p, s4), ops.qdq_fp8(x)
+
+    run()
     assert len(calls) == 3
+    with ops.fast_kernels_disabled("cpu"):
+        y8, y4, q = run()
+    assert len(calls) == 3  # dispatch went to the reference bodies
+    assert torch.equal(y8, reference.fp8_linear(x, d, s, None, [32, 32], True, 224.0, torch.bfloat16))
+    assert torch.equal(y4, reference.fp4_linear(x, p, s4, None, True, 224.0, torch.bfloat16))
+    assert torch.equal(bits(q), bits(formats.qdq_fp8(x)))
+    run()
+    assert len(calls) == 6  # and back on after the block
 
 
 # --------------------------------------------------------------------------- #
@@ -208,6 +291,8 @@ ROW_COUNTS = list(range(1, 34)) + [40, 47, 48, 63, 64]
 @pytest.fixture(params=["decode", "panel", "auto"])
 def path(request, monkeypatch):
     """Force every M onto the decode path, onto the panel path, or leave the boundary to decode_max_m."""
+    if request.node.callspec.params.get("impl") == "reference" and request.param != "auto":
+        pytest.skip("the reference has no decode / panel paths")
     if request.param == "decode":
         monkeypatch.setattr(fast, "decode_max_m", lambda kernels, fmt, k: 1 << 30)
     elif request.param == "panel":
@@ -216,8 +301,9 @@ def path(request, monkeypatch):
 
 
 # K: whole 64-groups, a trailing half group (one 32-block), partial blocks, odd K (fp4 padding nibble).
+@impls
 @pytest.mark.parametrize("k", [128, 96, 97, 130])
-def test_fp8_every_row_count(path, k):
+def test_fp8_every_row_count(impl, path, k):
     torch.manual_seed(k)
     n = 21  # not a multiple of the 4-row tiles or the 16-row tasks
     for block, scale_dtype in (((32, 32), torch.float8_e8m0fnu), ((1, 32), torch.uint8), ((128, 128), torch.float32)):
@@ -226,12 +312,13 @@ def test_fp8_every_row_count(path, k):
         x = torch.randn(max(ROW_COUNTS), k) * 4.0
         for m in ROW_COUNTS:
             for act_quant in (True, False):
-                y = fast.fp8_linear(x[:m], d, s, None, list(block), act_quant, 224.0, torch.float32)
+                y = FP8[impl](x[:m], d, s, None, list(block), act_quant, 224.0, torch.float32)
                 assert_linear_close(y, operand(x[:m], act_quant), w, msg=f"{path} {block} M={m} act_quant={act_quant}")
 
 
+@impls
 @pytest.mark.parametrize("k", [128, 96, 97, 130])
-def test_fp4_every_row_count(path, k):
+def test_fp4_every_row_count(impl, path, k):
     torch.manual_seed(k + 1)
     n = 21
     p, s = formats.quantize_fp4(torch.randn(n, k))
@@ -239,23 +326,28 @@ def test_fp4_every_row_count(path, k):
     x = torch.randn(max(ROW_COUNTS), k) * 4.0
     for m in ROW_COUNTS:
         for act_quant in (True, False):
-            y = fast.fp4_linear(x[:m], p, s, None, act_quant, 448.0, torch.float32)
+            y = FP4[impl](x[:m], p, s, None, act_quant, 448.0, torch.float32)
             assert_linear_close(y, operand(x[:m], act_quant, 448.0), w, msg=f"{path} M={m} act_quant={act_quant}")
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="needs the compiled kernels")
-def test_decode_max_m_follows_the_decode_kernels():
-    kernels = _backend.cpu_kernels()
+@pytest.mark.parametrize("level", LEVELS)
+def test_decode_kernels_and_boundary_per_level(level):
+    """The avx512_bf16 library runs the bf16 dot-product decode kernels, avx2 and avx512 the fp32
+    AVX2 ones, generic the scalar ones; the decode/panel boundary follows them."""
+    kernels = _backend.cpu_kernels(level)
+    assert kernels is not None, f"{level} did not load"
     isa = kernels.decode_isa()
-    assert isa in fast.DECODE_MAX_M
+    assert isa == {"generic": "generic", "avx2": "avx2", "avx512": "avx2", "avx512_bf16": "avx512_bf16"}[level]
     for fmt in ("fp8", "fp4"):
         assert fast.decode_max_m(kernels, fmt, 4096) == fast.DECODE_MAX_M[isa][fmt]
         assert 1 <= fast.decode_max_m(kernels, fmt, 1 << 20) <= fast.DECODE_MAX_M[isa][fmt]
 
 
+@impls
 @pytest.mark.parametrize("m", [1, 3, 4, 8, 33])
 @pytest.mark.parametrize("exponent", [-100, -109, -111, -117, -119, -125, -127, -131])
-def test_tiny_activations(m, exponent, path):
+def test_tiny_activations(impl, m, exponent, path):
     """bf16 activations near and below the normal range (act_quant off) against large weights,
     so every product and sum is a normal fp32 number and the exact result is in reach. The bf16
     dot-product kernels read subnormal inputs as zero and flush subnormal results, so they must
@@ -265,15 +357,16 @@ def test_tiny_activations(m, exponent, path):
     x = (torch.randn(m, k) * 2.0**exponent).to(torch.bfloat16)
     d, s = formats.quantize_fp8(torch.randn(20, k) * 2.0**40, (1, 32))
     p, s4 = formats.quantize_fp4(torch.randn(20, k) * 2.0**40)
-    y8 = fast.fp8_linear(x, d, s, None, [1, 32], False, 224.0, torch.float32)
+    y8 = FP8[impl](x, d, s, None, [1, 32], False, 224.0, torch.float32)
     assert_linear_close(y8, x, formats.dequantize_fp8(d, s, (1, 32), torch.float32))
-    y4 = fast.fp4_linear(x, p, s4, None, False, 224.0, torch.float32)
+    y4 = FP4[impl](x, p, s4, None, False, 224.0, torch.float32)
     assert_linear_close(y4, x, formats.dequantize_fp4(p, s4, k, torch.float32))
 
 
+@impls
 @pytest.mark.parametrize("m", [1, 2, 4, 5, 8, 16])
 @pytest.mark.parametrize("low", [True, False], ids=["codes 0-3", "codes 250-253"])
-def test_fp4_extreme_scale_codes(m, low, path):
+def test_fp4_extreme_scale_codes(impl, m, low, path):
     """e8m0 codes at both ends: below 2 a scale folded into bf16 weights is no longer a normal
     bf16 (the bf16 kernels read it as zero), near 253 large values overflow. Each row mixes
     them with an ordinary code, so a tile holds blocks the folded path may take and blocks it
@@ -287,7 +380,7 @@ def test_fp4_extreme_scale_codes(m, low, path):
     w = formats.dequantize_fp4(packed, codes, k, torch.float32)
     assert torch.isfinite(w).all()
     x = torch.randn(m, k) * (2.0**100 if low else 2.0**-100)
-    y = fast.fp4_linear(x, packed, codes, None, False, 224.0, torch.float32)
+    y = FP4[impl](x, packed, codes, None, False, 224.0, torch.float32)
     assert_linear_close(y, x.to(torch.bfloat16), w)
 
 
@@ -317,8 +410,7 @@ def test_threads_and_determinism(impl, m, threads):
         assert_linear_close(y8, operand(x, True), formats.dequantize_fp8(d, s, (1, 32), torch.float32))
         assert_linear_close(y4, operand(x, True), formats.dequantize_fp4(p, s4, k, torch.float32))
         results[count] = (y8, y4)
-    kernels = _backend.cpu_kernels()
-    if impl == "fast" and kernels is not None and m <= min(fast.decode_max_m(kernels, f, k) for f in ("fp8", "fp4")):
+    if impl != "reference" and m <= min(fast.decode_max_m(_backend.cpu_kernels(impl), f, k) for f in ("fp8", "fp4")):
         for one, two in zip(results[1], results[2]):
             assert torch.equal(bits(one), bits(two))
 
@@ -340,7 +432,7 @@ def test_qdq_hand_cases(impl, peak, dtype):
     x[2, 40] = -(2.0**-6)  # boundary between e4m3 subnormals and normals
     x[3, :] = torch.arange(100) * 0.015625 / 8  # every e4m3 subnormal step, ties included
     got = QDQ[impl](x.to(dtype), peak)
-    other = QDQ["reference" if impl == "fast" else "fast"](x.to(dtype), peak)
+    other = QDQ[other_than(impl)](x.to(dtype), peak)
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
     assert torch.equal(bits(got), bits(other))
 
@@ -353,7 +445,7 @@ def test_qdq_non_finite_blocks(impl):
     x[1, 40] = float("inf")
     x[1, 70] = -1e38
     got = QDQ[impl](x, 224.0)
-    other = QDQ["reference" if impl == "fast" else "fast"](x, 224.0)
+    other = QDQ[other_than(impl)](x, 224.0)
     assert torch.equal(got.isnan(), other.isnan())
     finite = ~got.isnan()
     assert torch.equal(bits(got[finite]), bits(other[finite]))
@@ -365,7 +457,7 @@ def test_qdq_non_finite_blocks(impl):
 def test_qdq_property_bit_exact(impl, x_data, k, peak):
     x = x_data.draw(activations(k, max_rows=5, max_exponent=30, dtypes=(torch.float32, torch.bfloat16)))
     got = QDQ[impl](x, peak)
-    other = QDQ["reference" if impl == "fast" else "fast"](x, peak)
+    other = QDQ[other_than(impl)](x, peak)
     assert torch.equal(bits(got), bits(other))
 
 
@@ -389,82 +481,85 @@ def test_fast_linear_raises_the_reference_errors():
 
 
 # --------------------------------------------------------------------------- #
-# the portable build (CPUs without AVX2)
-# --------------------------------------------------------------------------- #
-
-GENERIC_CHECK = textwrap.dedent(
-    """
-    import torch
-    from torch_bq import formats
-    from torch_bq.ops import _backend
-    from torch_bq.ops.cpu import linear as fast
-    from torch_bq.testing import assert_linear_close
-
-    _backend.cpu_kernel_ops = _backend._build_cpu_kernels("generic")
-    assert not _backend.cpu_kernel_ops.vectorized()
-    torch.manual_seed(0)
-    for n, k, block, scale_dtype in [(37, 97, (1, 32), torch.uint8), (50, 70, (7, 13), torch.float32)]:
-        d, s = formats.quantize_fp8(torch.randn(n, k), block, scale_dtype)
-        for m in (1, 3, 17):
-            x = torch.randn(m, k)
-            y = fast.fp8_linear(x, d, s, None, list(block), True, 224.0, torch.float32)
-            assert_linear_close(y, formats.qdq_fp8(x), formats.dequantize_fp8(d, s, block, torch.float32))
-    p, s = formats.quantize_fp4(torch.randn(40, 131))
-    for m in (1, 5, 17):
-        x = torch.randn(m, 131)
-        y = fast.fp4_linear(x, p, s, None, True, 224.0, torch.float32)
-        assert_linear_close(y, formats.qdq_fp8(x), formats.dequantize_fp4(p, s, 131, torch.float32))
-    x = torch.randn(7, 100) * torch.logspace(-8, 8, 100)
-    for peak in (224.0, 448.0):
-        assert torch.equal(fast.qdq_fp8(x, peak).view(torch.int16), formats.qdq_fp8(x, peak).view(torch.int16))
-    print("ok")
-    """
-)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not HAS_COMPILER, reason="needs a C++ compiler")
-def test_generic_build_without_avx2():
-    """The scalar build that non-x86 / pre-AVX2 CPUs get; its own process, since a
-    process can load only one build of the kernels."""
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run(
-        [sys.executable, "-c", GENERIC_CHECK], cwd=root, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
-
-
-# --------------------------------------------------------------------------- #
 # fallback when the kernels cannot be built
 # --------------------------------------------------------------------------- #
 
 
-def test_fallback_runs_the_reference(monkeypatch):
-    monkeypatch.setattr(_backend, "cpu_kernel_ops", None)  # as after a failed build
+@pytest.fixture
+def failed_build(monkeypatch):
+    """Every level fails to load, as without a compiler; the selection is made afresh."""
+
+    def no_compiler(level):
+        raise RuntimeError("no C++ compiler ('c++' is not on PATH)\nsecond line never shown")
+
+    monkeypatch.delenv(_backend.REQUIRE_ENV, raising=False)
+    monkeypatch.setattr(_backend, "_load_level", no_compiler)
+    monkeypatch.setattr(_backend, "_selection", None)
+    yield
+    _backend.set_cpu_isa_cap(None)  # select again, with the real loader, at the next call
+
+
+def test_fallback_runs_the_reference_and_warns_once_in_one_line(failed_build):
     torch.manual_seed(8)
     d, s = formats.quantize_fp8(torch.randn(40, 70), (128, 128), torch.float32)
     p, s4 = formats.quantize_fp4(torch.randn(40, 70))
     x = torch.randn(2, 3, 70)
-    assert torch.equal(
-        ops.fp8_linear(x, d, s, block=(128, 128)),
-        reference.fp8_linear(x, d, s, None, [128, 128], True, 224.0, torch.bfloat16),
-    )
-    assert torch.equal(ops.fp4_linear(x, p, s4), reference.fp4_linear(x, p, s4, None, True, 224.0, torch.bfloat16))
-    assert torch.equal(bits(ops.qdq_fp8(x)), bits(formats.qdq_fp8(x)))
-
-
-def test_failed_build_warns_once_in_one_line(monkeypatch):
-    def no_compiler():
-        raise RuntimeError("no C++ compiler ('c++' is not on PATH)\nsecond line never shown")
-
-    monkeypatch.setattr(_backend, "cpu_kernel_ops", _backend._NOT_PROBED)
-    monkeypatch.setattr(_backend, "_build_cpu_kernels", no_compiler)
     with pytest.warns(RuntimeWarning) as record:
-        y = ops.fp4_linear(torch.randn(2, 64), *formats.quantize_fp4(torch.randn(8, 64)))
-    assert y.shape == (2, 8)
+        y8 = ops.fp8_linear(x, d, s, block=(128, 128))
     assert len(record) == 1
     message = str(record[0].message)
     assert "\n" not in message and "reference" in message and "not on PATH" in message
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a second call must stay quiet
+        warnings.simplefilter("error")  # later calls stay quiet
+        y4, q = ops.fp4_linear(x, p, s4), ops.qdq_fp8(x)
+    assert torch.equal(y8, reference.fp8_linear(x, d, s, None, [128, 128], True, 224.0, torch.bfloat16))
+    assert torch.equal(y4, reference.fp4_linear(x, p, s4, None, True, 224.0, torch.bfloat16))
+    assert torch.equal(bits(q), bits(formats.qdq_fp8(x)))
+    assert ops.backend_info()["cpu"]["kernels"] == "reference"
+
+
+def test_require_fast_kernels_turns_the_fallback_into_an_error(failed_build, monkeypatch):
+    monkeypatch.setenv(_backend.REQUIRE_ENV, "1")
+    with pytest.raises(RuntimeError, match="TORCH_BQ_REQUIRE_FAST_KERNELS is set but the .* CPU kernels are unavailable"):
         ops.fp4_linear(torch.randn(2, 64), *formats.quantize_fp4(torch.randn(8, 64)))
+
+
+def test_require_fast_kernels_refuses_a_lower_level(monkeypatch):
+    """With the best level broken the selector would fall back to the next one; CI must hear of it."""
+    if len(LEVELS) < 2:
+        pytest.skip("this CPU has only the generic level")
+    real = _backend._load_level
+
+    def best_broken(level):
+        if level == LEVELS[-1]:
+            raise RuntimeError("compiler rejects the flags")
+        return real(level)
+
+    monkeypatch.setattr(_backend, "_load_level", best_broken)
+    monkeypatch.setattr(_backend, "_selection", None)
+    try:
+        monkeypatch.delenv(_backend.REQUIRE_ENV, raising=False)
+        selection = _backend.cpu_selection()
+        assert selection.isa == LEVELS[-2] and "compiler rejects the flags" in selection.reason
+        monkeypatch.setattr(_backend, "_selection", None)
+        monkeypatch.setenv(_backend.REQUIRE_ENV, "1")
+        with pytest.raises(RuntimeError, match=f"the {LEVELS[-1]} CPU kernels are unavailable"):
+            _backend.cpu_selection()
+    finally:
+        monkeypatch.setattr(_backend, "_load_level", real)
+        _backend.set_cpu_isa_cap(None)
+
+
+def test_installed_libraries_are_found_by_level_and_torch_release(tmp_path, monkeypatch):
+    """setup.py names each library after its level and the torch it was built against;
+    one built against another torch release is never loaded (it would not link)."""
+    from torch_bq.ops.cpu import isa
+
+    monkeypatch.setattr(_backend, "INSTALLED_DIR", tmp_path)
+    other = isa.module_name("avx2", "2.7.1")
+    (tmp_path / f"{other}.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    assert _backend._installed_library("avx2") is None
+    mine = tmp_path / f"{isa.module_name('avx2', torch.__version__)}.cpython-311-x86_64-linux-gnu.so"
+    mine.write_bytes(b"")
+    assert _backend._installed_library("avx2") == mine
+    assert _backend._installed_library("generic") is None

@@ -9,7 +9,8 @@ from .grouped import fp4_grouped_linear, fp8_grouped_linear
 from .linear import bf16_linear, fp4_linear, fp8_linear, fp32w_linear, qdq_fp8
 from . import autograd as _autograd  # noqa: F401,E402  (registers the input-gradient backwards)
 from .nki import register as _nki_register  # noqa: F401  (neuron kernels, only where the Neuron SDK is)
-from . import cpu  # noqa: F401,E402  (fast CPU kernels, built on first use)
+from . import cpu  # noqa: F401,E402  (fast CPU kernels, loaded on first use)
+from ._backend import backend_info, fast_kernels_disabled, set_cpu_isa_cap  # noqa: E402
 
 __all__ = [
     "fp8_linear",
@@ -21,4 +22,7 @@ __all__ = [
     "fp4_grouped_linear",
     "paged_kv_write",
     "paged_window_attention",
+    "backend_info",
+    "set_cpu_isa_cap",
+    "fast_kernels_disabled",
 ]

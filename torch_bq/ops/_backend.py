@@ -1,27 +1,49 @@
 """Capability checks: the one place torch_bq looks at its environment.
 
-Nothing else in the package sniffs for SDKs, compilers or devices; backend
-modules ask here. Neuron kernels register only when the SDK is present; the
-CPU kernels always register and fall back to the reference at call time when
-they cannot be built (building is deferred to the first call).
+Nothing else in the package sniffs for SDKs, compilers, CPU features or
+devices; backend modules ask here, and the selector here decides which kernels
+serve each device and reports it (:func:`backend_info`, and once at INFO on the
+``torch_bq`` logger). Neuron kernels register only when the SDK is present; the
+CPU kernels always register and run the best ISA level the CPU has (chosen at
+load time from the CPU's own feature flags, capped by ``$TORCH_BQ_CPU_ISA`` or
+:func:`set_cpu_isa_cap`), falling back to the reference at call time when they
+cannot be loaded or built.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import importlib
 import importlib.util
+import logging
 import os
 import platform
 import shutil
+import sys
+import time
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Optional
 
 import torch
 
-__all__ = ["nki_available", "neuron_available", "neuron_lnc", "cpu_kernels", "cpu_isa"]
+__all__ = [
+    "nki_available",
+    "neuron_available",
+    "neuron_lnc",
+    "backend_info",
+    "cpu_features",
+    "supported_cpu_isas",
+    "set_cpu_isa_cap",
+    "cpu_isa",
+    "cpu_selection",
+    "cpu_kernels",
+    "register_fast_kernel",
+    "report_backend",
+    "fast_kernels_disabled",
+]
 
 
 # --------------------------------------------------------------------------- #
@@ -99,72 +121,379 @@ def neuron_lnc() -> int:
 
 
 # --------------------------------------------------------------------------- #
-# CPU: the compiled kernels of torch_bq/ops/cpu/kernels.cpp
+# CPU: the compiled kernels of torch_bq/ops/cpu/kernels.cpp, one library per ISA level
 # --------------------------------------------------------------------------- #
 
 CPU_KERNEL_SOURCE = Path(__file__).parent / "cpu" / "kernels.cpp"
+# Where setup.py puts the libraries it builds at install time (next to the source).
+INSTALLED_DIR = CPU_KERNEL_SOURCE.parent
 
-_NOT_PROBED = object()
-# The loaded kernel namespace (``torch.ops.torch_bq_cpu``), ``None`` when the
-# kernels cannot be built here, or ``_NOT_PROBED`` before the first use. Tests
-# set it to ``None`` to exercise the reference fallback.
-cpu_kernel_ops = _NOT_PROBED
+ISA_ENV = "TORCH_BQ_CPU_ISA"  # cap: the highest level the CPU kernels may use
+REQUIRE_ENV = "TORCH_BQ_REQUIRE_FAST_KERNELS"  # "1": failing to load the best level is an error (CI)
+BUILD_TIMEOUT_ENV = "TORCH_BQ_BUILD_TIMEOUT"  # seconds to wait for another process's JIT build
+DEFAULT_BUILD_TIMEOUT = 600.0
+
+_log = logging.getLogger("torch_bq")
+
+
+def _isa_table():
+    from .cpu import isa  # imports nothing; deferred because the cpu package imports this module
+
+    return isa
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_features() -> frozenset:
+    """The CPU's feature flags as Linux names them (``avx2``, ``avx512_bf16``, ...).
+
+    Read from ``/proc/cpuinfo``, where the kernel lists only what both the CPU
+    (CPUID) and the OS (saved vector state) support; elsewhere from PyTorch's
+    cpuinfo-based CPUID probes. Never from the flags torch itself was built with.
+    """
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    probes = {
+        "avx2": ("avx2", "fma", "f16c"),  # every AVX2 CPU has FMA and F16C
+        "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+        "avx512_bf16": ("avx512_bf16",),
+        "vnni": ("avx512_vnni",),
+    }
+    found = set()
+    for probe, names in probes.items():
+        check = getattr(torch.cpu, f"_is_{probe}_supported", None)
+        if check is not None and check():
+            found.update(names)
+    return frozenset(found)
+
+
+def supported_cpu_isas() -> tuple:
+    """The ISA levels this CPU can run, lowest first (always starts with ``"generic"``)."""
+    isa = _isa_table()
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    features = cpu_features()
+    return tuple(
+        level
+        for level in isa.LEVELS
+        if (x86 or level not in isa.X86_ONLY) and all(f in features for f in isa.required_features(level))
+    )
+
+
+_isa_cap: Optional[str] = None  # set_cpu_isa_cap's value; None: the environment's, else no cap
+
+
+def set_cpu_isa_cap(level: Optional[str]) -> Optional[str]:
+    """Cap the CPU kernels at ISA ``level`` (``"generic"``, ``"avx2"``, ``"avx512"``, ``"avx512_bf16"``).
+
+    The kernels then use the highest level the CPU supports that is not above
+    ``level``; ``None`` restores the default (``$TORCH_BQ_CPU_ISA``, else no cap).
+    Takes effect at the next op call. Returns the previous cap.
+    """
+    global _isa_cap, _selection
+    if level is not None:
+        _isa_table().op_namespace(level)  # raises ValueError naming the levels
+    previous, _isa_cap = _isa_cap, level
+    _selection = None
+    return previous
+
+
+def _effective_cap() -> Optional[str]:
+    if _isa_cap is not None:
+        return _isa_cap
+    value = os.environ.get(ISA_ENV, "").strip().lower()
+    if not value:
+        return None
+    if value not in _isa_table().LEVELS:
+        raise ValueError(f"${ISA_ENV}: expected one of {', '.join(_isa_table().LEVELS)}, got {value!r}")
+    return value
 
 
 def cpu_isa() -> str:
-    """``"avx2"`` when the CPU has AVX2, FMA and F16C (what the vector kernels use), else ``"generic"``."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return "generic"
-    # torch reports AVX2 only when the CPU also has FMA; F16C ships with every AVX2 CPU.
-    return "avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else "generic"
+    """The ISA level the CPU kernels are meant to run at: the CPU's best, capped by :func:`set_cpu_isa_cap`.
+
+    Whether that level's library loaded is :func:`backend_info`'s to say.
+    """
+    levels = supported_cpu_isas()
+    cap = _effective_cap()
+    if cap is not None:
+        order = _isa_table().LEVELS
+        levels = tuple(level for level in levels if order.index(level) <= order.index(cap))
+    return levels[-1]
 
 
-def _build_cpu_kernels(isa: Optional[str] = None) -> SimpleNamespace:
-    """Compile (or load from the torch extensions cache) and return ``torch.ops.torch_bq_cpu``.
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
-    ``isa`` is ``"avx2"`` or ``"generic"`` (default: :func:`cpu_isa`); one process can load only one.
+
+def _installed_library(level: str) -> Optional[Path]:
+    """The library setup.py built for ``level`` against the running torch, if it is there."""
+    stem = _isa_table().module_name(level, torch.__version__)
+    candidates = sorted(INSTALLED_DIR.glob(f"{stem}.*so")) + sorted(INSTALLED_DIR.glob(f"{stem}.*pyd"))
+    return candidates[0] if candidates else None
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path, timeout: float):
+    """Hold an exclusive ``flock`` on ``lock_path``, waiting at most ``timeout`` seconds.
+
+    Yields whether the lock was taken. The OS drops the lock when its holder
+    dies, however it dies, so a killed build can never leave it held.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own build lock is all there is
+        yield True
+        return
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as handle:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.1)
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _build_timeout() -> float:
+    value = os.environ.get(BUILD_TIMEOUT_ENV, "").strip()
+    try:
+        return float(value) if value else DEFAULT_BUILD_TIMEOUT
+    except ValueError:
+        raise ValueError(f"${BUILD_TIMEOUT_ENV}: expected seconds, got {value!r}") from None
+
+
+def _jit_paths(level: str) -> tuple:
+    """``(build directory, torch_bq's lock file)`` of the JIT build of ``level``."""
+    from torch.utils import cpp_extension
+
+    name = _isa_table().op_namespace(level)
+    tag = f"torch_bq-torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
+    # torch's own builder reads TORCH_EXTENSIONS_DIR the same way.
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / tag
+    return root / name, root / f"{name}.lock"
+
+
+def _jit_build(level: str) -> Path:
+    """Build ``level``'s library with torch.utils.cpp_extension (or reuse its cache) and return its path.
+
+    The fallback for source checkouts where setup.py did not build the kernels.
+    The build runs under torch_bq's own lock (:func:`_exclusive`): a process
+    waits at most ``$TORCH_BQ_BUILD_TIMEOUT`` seconds (default 600) for another
+    one's build and then gives up; and since the holder of that lock is the only
+    process in the build directory, a ``lock`` file torch's builder left there
+    (its builder was killed mid-build) is stale and is removed, instead of
+    making every later process wait for it forever.
     """
     from torch.utils import cpp_extension
 
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH)")
-    flags = ["-O3", "-fopenmp"]
-    name = "torch_bq_cpu_generic"
-    if (isa or cpu_isa()) == "avx2":
-        flags += ["-mavx2", "-mfma", "-mf16c", "-DTORCH_BQ_AVX2"]
-        name = "torch_bq_cpu_avx2"
-    # A plain shared library registering TORCH_LIBRARY ops: no pybind11 module,
-    # so Python's development headers are not needed.
-    cpp_extension.load(
-        name=name,
-        sources=[str(CPU_KERNEL_SOURCE)],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-        verbose=False,
-    )
-    return torch.ops.torch_bq_cpu
+    isa = _isa_table()
+    name = isa.op_namespace(level)
+    build_dir, lock = _jit_paths(level)
+    timeout = _build_timeout()
+    with _exclusive(lock, timeout) as acquired:
+        if not acquired:
+            raise TimeoutError(f"another process has been building the {level} kernels for over {timeout:.0f} s")
+        build_dir.mkdir(parents=True, exist_ok=True)
+        (build_dir / "lock").unlink(missing_ok=True)  # left by a killed build; we hold the only lock
+        # A plain shared library registering TORCH_LIBRARY ops: no pybind11
+        # module, so Python's development headers are not needed.
+        path = cpp_extension.load(
+            name=name,
+            sources=[str(CPU_KERNEL_SOURCE)],
+            extra_cflags=isa.compile_flags(level),
+            extra_ldflags=list(isa.LINK_FLAGS),
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    return Path(path)
 
 
-def cpu_kernels() -> Optional[SimpleNamespace]:
-    """The compiled CPU kernels (``torch.ops.torch_bq_cpu``), or ``None`` if they cannot be built.
+# level -> (the loaded op namespace, where it came from), or the exception loading it raised
+_loaded: dict = {}
 
-    Built on first use with ``torch.utils.cpp_extension`` and cached in torch's
-    extensions directory, so later processes only load the library. Without a
-    compiler, or when the build fails, this warns once (one line) and every
-    CPU op runs the reference kernels instead.
-    """
-    global cpu_kernel_ops
-    if cpu_kernel_ops is _NOT_PROBED:
+
+def _load_level(level: str):
+    """``torch.ops.torch_bq_cpu_<level>`` and its source ("installed" or "built"); raises if it cannot be had."""
+    if level not in _loaded:
         try:
-            cpu_kernel_ops = _build_cpu_kernels()
-        except Exception as error:  # any build failure means: use the reference
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            warnings.warn(
-                f"torch_bq: fast CPU kernels unavailable ({reason}); using the reference kernels",
-                RuntimeWarning,
-                stacklevel=2,
+            library = _installed_library(level)
+            source = "installed"
+            if library is None:
+                library, source = _jit_build(level), "built"
+            else:
+                torch.ops.load_library(str(library))
+            ops = getattr(torch.ops, _isa_table().op_namespace(level))
+            built_for = ops.isa()
+            if built_for != level:
+                raise RuntimeError(f"{library.name} holds the {built_for} kernels, not {level}")
+            _loaded[level] = (ops, source)
+        except Exception as error:  # any failure to build or load means: not this level
+            _loaded[level] = error
+    result = _loaded[level]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuSelection:
+    """What runs the ``torch_bq::`` ops on CPU tensors (see :func:`backend_info`)."""
+
+    kernels: str  # "fast" or "reference"
+    isa: Optional[str]  # ISA level of the fast kernels; None for the reference
+    source: Optional[str]  # "installed" (built by setup.py), "built" (JIT, cached), None
+    wanted: str  # the level cpu_isa() asked for
+    reason: str  # one line: why this choice
+    ops: object = dataclasses.field(default=None, repr=False, compare=False)
+
+
+_selection: Optional[CpuSelection] = None
+
+
+def _select_cpu() -> CpuSelection:
+    """Load the best CPU kernels allowed; on failure try the levels below, else the reference."""
+    wanted = cpu_isa()
+    levels = supported_cpu_isas()
+    failures = []
+    for level in reversed(levels[: levels.index(wanted) + 1]):
+        try:
+            ops, source = _load_level(level)
+        except Exception as error:
+            failures.append(f"{level}: {_first_line(error)}")
+            continue
+        reason = "the best level this CPU has" if level == levels[-1] else f"capped at {wanted}"
+        if failures:
+            reason = f"{wanted} unavailable ({failures[0]})"
+        return CpuSelection("fast", level, source, wanted, reason, ops)
+    return CpuSelection("reference", None, None, wanted, failures[0] if failures else "no CPU kernels", None)
+
+
+def _require_fast() -> bool:
+    return os.environ.get(REQUIRE_ENV, "").strip() not in ("", "0")
+
+
+def cpu_selection() -> CpuSelection:
+    """The CPU kernel choice, made (kernels loaded or built) on the first call and after a cap change.
+
+    Says what it chose once, at INFO on the ``torch_bq`` logger; when the fast
+    kernels cannot be had it also warns once (one line) and the ops run the
+    reference. With ``$TORCH_BQ_REQUIRE_FAST_KERNELS=1`` (CI) anything but the
+    level :func:`cpu_isa` asked for raises ``RuntimeError`` instead.
+    """
+    global _selection
+    if _selection is None:
+        selection = _select_cpu()
+        if _require_fast() and selection.isa != selection.wanted:
+            raise RuntimeError(
+                f"torch_bq: ${REQUIRE_ENV} is set but the {selection.wanted} CPU kernels are unavailable "
+                f"({selection.reason})"
             )
-            cpu_kernel_ops = None
-    return cpu_kernel_ops
+        if selection.kernels == "fast":
+            _log.info("torch_bq: CPU ops run the fast kernels at %s (%s library; %s)", selection.isa,
+                      selection.source, selection.reason)
+        else:
+            _log.info("torch_bq: CPU ops run the reference kernels (%s)", selection.reason)
+            warnings.warn(
+                f"torch_bq: fast CPU kernels unavailable ({selection.reason}); using the reference kernels",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        _selection = selection
+    return _selection
+
+
+def cpu_kernels(level: Optional[str] = None):
+    """The compiled CPU kernels (``torch.ops.torch_bq_cpu_<level>``), or ``None`` when the reference runs.
+
+    Without ``level``: those :func:`cpu_selection` chose. With ``level``: that
+    level's kernels, or ``None`` if they cannot be loaded or built.
+    """
+    if level is None:
+        return cpu_selection().ops
+    try:
+        return _load_level(level)[0]
+    except Exception:
+        return None
+
+
+# --------------------------------------------------------------------------- #
+# the selector's report, and switching fast kernels off
+# --------------------------------------------------------------------------- #
+
+# (custom op, device type) of every fast kernel registered through register_fast_kernel
+_fast_kernels: list = []
+_reported: dict = {}  # device type -> the dict backend_info() shows for it
+
+
+def register_fast_kernel(op, device_type: str, kernel) -> None:
+    """Register ``kernel`` as ``op``'s (a ``torch.library.CustomOpDef``) kernel for ``device_type``.
+
+    Recorded so :func:`fast_kernels_disabled` can switch it off again.
+    """
+    op.register_kernel(device_type)(kernel)
+    _fast_kernels.append((op, device_type))
+
+
+def report_backend(device_type: str, **info) -> None:
+    """Record (and log once, at INFO) which kernels serve ``device_type``; :func:`backend_info` shows it.
+
+    For backends that decide at registration (NKI); the CPU choice reports itself.
+    """
+    if _reported.get(device_type) != info:
+        _reported[device_type] = dict(info)
+        _log.info("torch_bq: %s ops: %s", device_type,
+                  ", ".join(f"{key}={value}" for key, value in info.items()))
+
+
+@contextlib.contextmanager
+def fast_kernels_disabled(device_type: str = "cpu"):
+    """Inside the block, ``torch_bq::`` ops on ``device_type`` run their reference bodies.
+
+    Uses torch.library's own switch (``CustomOpDef.set_kernel_enabled``) on each
+    registered fast kernel, so dispatch, not a flag in torch_bq, decides.
+    """
+    with contextlib.ExitStack() as stack:
+        for op, device in _fast_kernels:
+            if device == device_type:
+                stack.enter_context(op.set_kernel_enabled(device, False))
+        yield
+
+
+def backend_info() -> dict:
+    """Which kernels run the ``torch_bq::`` ops, per device type.
+
+    ``"cpu"``: ``kernels`` (``"fast"`` or ``"reference"``), ``isa`` (the level
+    running, e.g. ``"avx512_bf16"``), ``source`` (``"installed"``: built by
+    setup.py; ``"built"``: JIT-built and cached), ``supported`` (the levels this
+    CPU has), ``cap`` and ``reason``. Loads (or builds) the CPU kernels if that
+    has not happened yet. Other device types appear once their backend reported.
+    """
+    selection = cpu_selection()
+    info = {
+        "cpu": {
+            "kernels": selection.kernels,
+            "isa": selection.isa,
+            "source": selection.source,
+            "supported": list(supported_cpu_isas()),
+            "cap": _effective_cap(),
+            "reason": selection.reason,
+        }
+    }
+    info.update({device: dict(entry) for device, entry in _reported.items()})
+    return info

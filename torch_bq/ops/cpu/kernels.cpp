@@ -1,11 +1,17 @@
 // Fast CPU kernels for torch_bq: block-scaled fp8 / MXFP4 linear and the fp8
 // activation quant-dequant (SPEC.md §3-4).
 //
-// Built at first use by torch_bq/ops/_backend.py with torch.utils.cpp_extension
-// (-O3, plus -mavx2 -mfma -mf16c and -DTORCH_BQ_AVX2 when the CPU has them).
-// Registered as internal ops `torch.ops.torch_bq_cpu.*`; the public
-// `torch_bq::` ops call them from torch_bq/ops/cpu/linear.py, which also
-// prepares the inputs (A as fp32 [M, K], weight bytes, scale codes).
+// Built once per instruction-set level (torch_bq/ops/cpu/isa.py: generic,
+// avx2, avx512, avx512_bf16), each time from this file with that level's -m
+// flags: at install time by setup.py, or at first use by
+// torch_bq/ops/_backend.py when the installed libraries are missing. Which
+// code a build contains follows from the compiler's own target macros
+// (TORCH_BQ_AVX2 / TORCH_BQ_AVX512 / TORCH_BQ_AVX512_BF16 below), never from
+// the build machine's CPU; _backend picks the library to load from the CPU it
+// runs on. Each level registers its own internal op namespace
+// `torch.ops.torch_bq_cpu_<level>.*`, so several can live in one process; the
+// public `torch_bq::` ops call them from torch_bq/ops/cpu/linear.py, which
+// also prepares the inputs (A as fp32 [M, K], weight bytes, scale codes).
 //
 // Layout and numerics
 // -------------------
@@ -69,7 +75,36 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(TORCH_BQ_AVX2) || defined(__AVX512F__)
+// Instruction-set level of this build, from the compiler's target macros
+// (cumulative: each level has everything of the one below).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TORCH_BQ_AVX2 1
+#endif
+#if defined(TORCH_BQ_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
+#define TORCH_BQ_AVX512 1
+#endif
+#if defined(TORCH_BQ_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define TORCH_BQ_AVX512_BF16 1
+#endif
+
+#if defined(TORCH_BQ_AVX512_BF16)
+#define TORCH_BQ_ISA avx512_bf16
+#elif defined(TORCH_BQ_AVX512)
+#define TORCH_BQ_ISA avx512
+#elif defined(TORCH_BQ_AVX2)
+#define TORCH_BQ_ISA avx2
+#else
+#define TORCH_BQ_ISA generic
+#endif
+#define TORCH_BQ_STR2(x) #x
+#define TORCH_BQ_STR(x) TORCH_BQ_STR2(x)
+#define TORCH_BQ_CAT2(a, b) a##b
+#define TORCH_BQ_CAT(a, b) TORCH_BQ_CAT2(a, b)
+// The op namespace torch_bq_cpu_<level> (torch_bq/ops/cpu/isa.py: op_namespace).
+#define TORCH_BQ_OPS TORCH_BQ_CAT(torch_bq_cpu_, TORCH_BQ_ISA)
+
+#if defined(TORCH_BQ_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -461,7 +496,7 @@ void run_tasks(int64_t count, const Task& task) {
   });
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#if defined(TORCH_BQ_AVX512_BF16)  // vdpbf16ps, vpermi2b, AVX-512 BW
 #define TORCH_BQ_DOT_BF16 1
 // --------------------------------------------------------------------------
 // decode path, AVX-512 BF16: weights decoded to bf16 and vdpbf16ps
@@ -1139,10 +1174,17 @@ bool vectorized() {
 #endif
 }
 
+// The level this library was compiled for (torch_bq/ops/cpu/isa.py: LEVELS).
+std::string isa() { return TORCH_BQ_STR(TORCH_BQ_ISA); }
+
 }  // namespace
 }  // namespace torch_bq_cpu
 
-TORCH_LIBRARY(torch_bq_cpu, m) {
+// TORCH_LIBRARY pastes its argument, so the namespace macro is expanded first.
+#define TORCH_BQ_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+
+TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
+  m.def("isa() -> str", &torch_bq_cpu::isa);
   m.def("qdq_fp8(Tensor x, float peak, bool fp32_out) -> Tensor", &torch_bq_cpu::qdq_fp8);
   m.def(
       "fp8_linear(Tensor a, Tensor weight, Tensor scale, Tensor? bias, int bn, int bk, int decode_max_m, "

@@ -4,7 +4,9 @@ Twins of :mod:`torch_bq.reference.linear` and :func:`torch_bq.formats.qdq_fp8`:
 same positional signatures, same results (qdq bit-exact; linear up to fp32
 summation order). The math lives in ``kernels.cpp`` (see its header for the
 decode / prefill layouts); this module prepares the operands and falls back
-to the reference when the compiled kernels are unavailable.
+to the reference when the compiled kernels are unavailable. The kernels of the
+ISA level :mod:`torch_bq.ops._backend` selected run; ``_backend.fast_kernels_disabled()``
+switches these registrations off (torch.library's ``set_kernel_enabled``).
 
 Tuning:
 
@@ -25,6 +27,7 @@ import torch
 from ... import formats
 from ...reference import linear as ref
 from .. import _backend
+from .. import linear as op_defs
 
 __all__ = ["DECODE_MAX_M", "PANEL_BYTES", "decode_max_m", "fp8_linear", "fp4_linear", "qdq_fp8"]
 
@@ -137,6 +140,6 @@ def qdq_fp8(x: torch.Tensor, peak: float) -> torch.Tensor:
     return kernels.qdq_fp8(x2, float(peak), False).reshape(x.shape)
 
 
-torch.library.register_kernel("torch_bq::fp8_linear", "cpu", fp8_linear)
-torch.library.register_kernel("torch_bq::fp4_linear", "cpu", fp4_linear)
-torch.library.register_kernel("torch_bq::qdq_fp8", "cpu", qdq_fp8)
+_backend.register_fast_kernel(op_defs._fp8_linear, "cpu", fp8_linear)
+_backend.register_fast_kernel(op_defs._fp4_linear, "cpu", fp4_linear)
+_backend.register_fast_kernel(op_defs._qdq_fp8, "cpu", qdq_fp8)
