@@ -267,7 +267,7 @@ inline float folded_scale(const float* s, int64_t i, bool& ok) {
 // then takes over. Needs MXCSR.DAZ clear (the decoded subnormals are inputs).
 template <int NT>
 int64_t fp8_row_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* a, int64_t K,
-                         __m256* acc) {
+                         __m256* acc, const uint8_t* ahead) {
   __m256 acc_odd[NT];
   for (int j = 0; j < NT; ++j) acc_odd[j] = _mm256_setzero_ps();
   int64_t b = 0;
@@ -276,6 +276,8 @@ int64_t fp8_row_blocks32(const uint8_t* const* rows, const uint8_t* const* scale
     for (int j = 0; j < NT; ++j) max_code = std::max<uint32_t>(max_code, scale_rows[j][b]);
     if (max_code > 134) break;
     const int64_t k = b * 32;
+    for (int c = 0; c < NT / 2; ++c)  // the next rows' share for this block (see dot_tile)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + (b * (NT / 2) + c) * 64), _MM_HINT_T0);
     const __m256 a0 = _mm256_loadu_ps(a + k), a1 = _mm256_loadu_ps(a + k + 8);
     const __m256 a2 = _mm256_loadu_ps(a + k + 16), a3 = _mm256_loadu_ps(a + k + 24);
     for (int j = 0; j < NT; ++j) {
@@ -298,8 +300,10 @@ int64_t fp8_row_blocks32(const uint8_t* const* rows, const uint8_t* const* scale
 // factored out of the block's partial sum (exact). Covers blocks [0, K/32).
 template <int NT>
 int64_t fp4_row_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* a_split,
-                         int64_t K, __m256* acc) {
+                         int64_t K, __m256* acc, const uint8_t* ahead) {
   for (int64_t b = 0; b < K / 32; ++b) {
+    if (b % 4 == 0)  // the next rows' share for these four blocks (see dot_tile)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + b * NT * 16), _MM_HINT_T0);
     const float* a = a_split + b * 32;
     const __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8);
     const __m256 a2 = _mm256_loadu_ps(a + 16), a3 = _mm256_loadu_ps(a + 24);
@@ -359,11 +363,15 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
     for (int i = 0; i < MT; ++i)
       for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_setzero_ps();
     int64_t b = 0;
+    // The weight streams from memory in NT short rows, too short for the
+    // hardware prefetchers to ramp up, so the single-row loops also prefetch
+    // the next NT rows (contiguous with these), one tile ahead.
+    const uint8_t* ahead = w.data + (n0 + NT) * w.row_stride;
     if constexpr (kFactorScale && std::is_same_v<Fmt, Fp8Format>) {
-      if (w.bk == 32 && !denormals_are_zero()) b = fp8_row_blocks32<NT>(rows, srows, arows[0], K, acc[0]);
+      if (w.bk == 32 && !denormals_are_zero()) b = fp8_row_blocks32<NT>(rows, srows, arows[0], K, acc[0], ahead);
     }
     if constexpr (kFactorScale && std::is_same_v<Fmt, Fp4Format>) {
-      if (a_split != nullptr) b = fp4_row_blocks32<NT>(rows, srows, a_split + m0 * K, K, acc[0]);
+      if (a_split != nullptr) b = fp4_row_blocks32<NT>(rows, srows, a_split + m0 * K, K, acc[0], ahead);
     }
     for (; b < nblocks; ++b) {
       const int64_t k0 = b * w.bk, k1 = std::min(K, k0 + w.bk);
