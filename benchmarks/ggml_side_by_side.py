@@ -61,7 +61,7 @@ from pathlib import Path
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (2880, 2880), (5760, 2880)]
-ROWS = [1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 33, 48, 64, 128]
+ROWS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128]  # pairs M, M + 1 where tiles change
 QUICK_ROWS = [1, 4, 16, 32]
 LLC_FLUSH_BYTES = 64 << 20  # twice the 32 MiB L3 of the reference machine
 ISA_CAP_ENV = "TORCH_BQ_CPU_ISA"  # torch_bq's cap on the CPU kernels' ISA
@@ -484,7 +484,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"4096x4096 only, M in {QUICK_ROWS}")
     parser.add_argument("--shapes", help="comma-separated NxK list")
     parser.add_argument("--rows", help="comma-separated M list")
-    parser.add_argument("--reps", type=int, default=7, help="interleaved rounds; the median is kept")
+    parser.add_argument("--reps", type=int, default=5, help="interleaved rounds; the median is kept")
     parser.add_argument("--cache", type=Path, default=default_cache(), help="where ggml is downloaded and built")
     parser.add_argument("--no-torchao", action="store_true")
     parser.add_argument("--json", type=Path, help="write the raw results here")
