@@ -640,12 +640,13 @@ inline __m512 e8m0x16(const uint8_t* codes, __mmask16 valid) {
 
 // A [M, K] fp32 -> bf16 [M, Kp] in the decoder's word order, zero padded.
 // Returns the smallest exponent field of a nonzero A value (255 when A is all
-// zero), or -1 when a value is not exactly bf16 (then A cannot take this path).
+// zero), or -1 when a value is not exactly bf16 (then A cannot take this path);
+// the largest field goes to *max_field_out (0 when A is all zero).
 template <class D>
-int prepare_activation(const float* A, int64_t M, int64_t K, int64_t kp, uint16_t* dst) {
+int prepare_activation(const float* A, int64_t M, int64_t K, int64_t kp, uint16_t* dst, int* max_field_out) {
   int64_t source[kGroup];
   for (int64_t j = 0; j < kGroup; ++j) source[j] = D::element(j);
-  uint32_t min_field = 255, low_bits = 0;
+  uint32_t min_field = 255, max_field = 0, low_bits = 0;
   for (int64_t m = 0; m < M; ++m) {
     const float* a = A + m * K;
     uint16_t* d = dst + m * kp;
@@ -656,11 +657,15 @@ int prepare_activation(const float* A, int64_t M, int64_t K, int64_t kp, uint16_
         const uint32_t bits = k < K ? bits_from_f32(a[k]) : 0u;
         const uint32_t magnitude = bits & 0x7FFFFFFFu;
         low_bits |= bits & 0xFFFFu;
-        if (magnitude != 0) min_field = std::min(min_field, magnitude >> 23);
+        if (magnitude != 0) {
+          min_field = std::min(min_field, magnitude >> 23);
+          max_field = std::max(max_field, magnitude >> 23);
+        }
         d[k0 + j] = static_cast<uint16_t>(bits >> 16);
       }
     }
   }
+  if (max_field_out != nullptr) *max_field_out = static_cast<int>(max_field);
   return low_bits != 0 ? -1 : static_cast<int>(min_field);
 }
 
@@ -668,6 +673,7 @@ struct Problem {
   const WeightView* w;
   const uint16_t* a;  // bf16 [M, kp]
   int a_min_field;    // smallest exponent field of a nonzero A value (255: none)
+  int a_max_field;    // largest (0: none)
   int64_t kp, ngroups, nblocks, row_bytes;
   float* out;         // [M, N]
   int64_t N;
@@ -864,17 +870,128 @@ void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
   }
 }
 
+// fp8 with e8m0 scales shared by 16 or more weight rows (bn % 16 == 0, so a
+// 16-row task lies in one row block), from 4 rows: the task's block scales go
+// into a copy of A instead (A'[m, k] = A[m, k] * s[n / bn, k / 32], an exponent
+// add on the bf16 bits, exact), so the decoded weights are used unscaled and
+// every row is two vdpbf16ps per group, as the reference's sum of
+// A * (w * s) is the sum of (A * s) * w exactly. Needs, for every code c of the
+// task, A' normal and finite and every product a multiple of 2**-126: a (a
+// multiple of 2**(e_a - 7)) times s times e4m3 (a multiple of 2**-9) gives
+// e_a + c >= 17; and c <= 246, so w * s is finite as in the reference.
+inline bool fp8_prescale_ok(const uint8_t* srow, int64_t nblocks, int a_min_field, int a_max_field) {
+  uint32_t lo = 255, hi = 0;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    lo = std::min<uint32_t>(lo, srow[b]);
+    hi = std::max<uint32_t>(hi, srow[b]);
+  }
+  if (hi > 246) return false;
+  if (a_min_field == 255) return true;  // A is zero
+  return int(lo) + (a_min_field - 127) >= 17 && a_max_field + (int(hi) - 127) <= 254;
+}
+
+// A' for one row block: word j of group g belongs to block 2g + (j / 16) % 2 (Fp8Dot::element).
+inline void fp8_prescale(const Problem& p, int64_t M, const uint8_t* srow, uint16_t* dst) {
+  const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
+  for (int64_t g = 0; g < p.ngroups; ++g) {
+    const int64_t b0 = 2 * g, b1 = std::min(2 * g + 1, p.nblocks - 1);
+    const __m512i e = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(static_cast<short>((int(srow[b0]) - 127) << 7)),
+                                              _mm512_set1_epi16(static_cast<short>((int(srow[b1]) - 127) << 7)));
+    for (int64_t m = 0; m < M; ++m)
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = m * p.kp + g * kGroup + 32 * h;
+        const __m512i a = _mm512_loadu_si512(p.a + at);
+        const __mmask32 nonzero = _mm512_test_epi16_mask(a, magnitude);
+        _mm512_storeu_si512(dst + at, _mm512_mask_add_epi16(a, nonzero, a, e));
+      }
+  }
+}
+
+template <int MT, int NT>
+void fp8_prescaled_tile(const Fp8Dot& dec, const Problem& p, const uint16_t* a_scaled, int64_t m0, int64_t n0) {
+  const WeightView& w = *p.w;
+  const uint8_t* rows[NT];
+  for (int j = 0; j < NT; ++j) rows[j] = w.data + (n0 + j) * w.row_stride;
+  const uint16_t* arows[MT];
+  for (int i = 0; i < MT; ++i) arows[i] = a_scaled + (m0 + i) * p.kp;
+  __m512 acc[MT][NT];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+  const uint8_t* ahead = w.data + (n0 + NT) * w.row_stride;
+  const int64_t full = p.row_bytes / Fp8Dot::kGroupBytes;
+  for (int64_t g = 0; g < p.ngroups; ++g) {
+    for (int c = 0; c < NT; ++c) _mm_prefetch(reinterpret_cast<const char*>(ahead + (g * NT + c) * 64), _MM_HINT_T0);
+    __m512bh w0[NT], w1[NT];
+    for (int j = 0; j < NT; ++j) {
+      __m512i lo, hi;
+      if (g < full)
+        dec.decode(rows[j], g, lo, hi);
+      else
+        dec.decode_masked(rows[j], g, Fp8Dot::valid_bytes(p.row_bytes, g), lo, hi);
+      w0[j] = (__m512bh)lo;
+      w1[j] = (__m512bh)hi;
+    }
+    for (int i = 0; i < MT; ++i) {
+      const __m512bh a0 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup);
+      const __m512bh a1 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup + 32);
+      for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j], w0[j], a0), w1[j], a1);
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+// Rows [n0, n_end) of one 16-row task: 4-row tiles x m-tiles of near-equal height <= 4.
+// False (nothing written) when the task's codes rule the prescaled path out.
+inline bool fp8_prescaled_rows(const Fp8Dot& dec, const Problem& p, int64_t M, int64_t n0, int64_t n_end,
+                               std::vector<uint16_t>& a_scaled) {
+  const WeightView& w = *p.w;
+  const uint8_t* srow = static_cast<const uint8_t*>(w.scale) + (n0 / w.bn) * w.scale_stride;
+  if (!fp8_prescale_ok(srow, p.nblocks, p.a_min_field, p.a_max_field)) return false;
+  a_scaled.resize(M * p.kp);
+  fp8_prescale(p, M, srow, a_scaled.data());
+  const int64_t tiles = (M + 3) / 4;
+  for (int64_t n = n0; n < n_end; n += 4) {
+    int64_t m0 = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t mt = (M - m0) / (tiles - t);
+      if (n + 4 <= n_end) {
+        switch (mt) {
+          case 1: fp8_prescaled_tile<1, 4>(dec, p, a_scaled.data(), m0, n); break;
+          case 2: fp8_prescaled_tile<2, 4>(dec, p, a_scaled.data(), m0, n); break;
+          case 3: fp8_prescaled_tile<3, 4>(dec, p, a_scaled.data(), m0, n); break;
+          default: fp8_prescaled_tile<4, 4>(dec, p, a_scaled.data(), m0, n); break;
+        }
+      } else {
+        for (int64_t r = n; r < n_end; ++r) {
+          switch (mt) {
+            case 1: fp8_prescaled_tile<1, 1>(dec, p, a_scaled.data(), m0, r); break;
+            case 2: fp8_prescaled_tile<2, 1>(dec, p, a_scaled.data(), m0, r); break;
+            case 3: fp8_prescaled_tile<3, 1>(dec, p, a_scaled.data(), m0, r); break;
+            default: fp8_prescaled_tile<4, 1>(dec, p, a_scaled.data(), m0, r); break;
+          }
+        }
+      }
+      m0 += mt;
+    }
+  }
+  return true;
+}
+
 // The whole decode-path call; false (nothing written) when A cannot take it.
 template <class Fmt>
 bool linear(const WeightView& w, const float* A, int64_t M, int64_t N, float* out) {
   using D = typename DotFor<Fmt>::type;
   const int64_t kp = (w.K + kGroup - 1) / kGroup * kGroup;
   std::vector<uint16_t> a(M * kp);
-  const int a_min_field = prepare_activation<D>(A, M, w.K, kp, a.data());
+  int a_max_field = 0;
+  const int a_min_field = prepare_activation<D>(A, M, w.K, kp, a.data(), &a_max_field);
   if (a_min_field < 0 || (a_min_field != 255 && a_min_field - 127 < D::kMinExponentA)) return false;
   static const D dec;
-  const Problem p{&w, a.data(), a_min_field, kp, kp / kGroup, (w.K + 31) / 32, Fmt::row_bytes(w.K), out, N};
+  const Problem p{&w, a.data(), a_min_field, a_max_field, kp, kp / kGroup, (w.K + 31) / 32, Fmt::row_bytes(w.K),
+                  out, N};
   const bool fp4_scaled = std::is_same_v<D, Fp4Dot> && M >= 4;
+  const bool fp8_prescaled = std::is_same_v<D, Fp8Dot> && M >= 4 && w.bn % 16 == 0;
   const int nt = M <= 3 ? 4 : M <= 8 ? 2 : 1;
   constexpr int64_t kRowsPerTask = 16;  // a multiple of every NT
   run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
@@ -883,6 +1000,10 @@ bool linear(const WeightView& w, const float* A, int64_t M, int64_t N, float* ou
     if constexpr (std::is_same_v<D, Fp4Dot>) {
       if (fp4_scaled)
         for (; n + 4 <= n_end; n += 4) fp4_scaled_rows(dec, p, M, n);
+    }
+    if constexpr (std::is_same_v<D, Fp8Dot>) {
+      thread_local std::vector<uint16_t> a_scaled;
+      if (fp8_prescaled && fp8_prescaled_rows(dec, p, M, n, n_end, a_scaled)) return;
     }
     if (nt == 4)
       for (; n + 4 <= n_end; n += 4) rows_tile<D, 4>(dec, p, M, n);
