@@ -42,6 +42,8 @@
 //   decoder needs no interleave.
 //   Each output element is produced by one task in a fixed order, so the
 //   result does not depend on the thread count.
+//   With AVX-512 BF16 (TORCH_BQ_AVX512_BF16), 32-wide e8m0 blocks take the
+//   bf16 dot-product kernels instead: section "decode path, AVX-512 BF16".
 // Prefill (M > decode_max_m): a panel of P rows of W (P*K*4 <= panel_bytes) is
 //   dequantized to fp32 in parallel, then at::mm(A, panel^T) (MKL/oneDNN)
 //   produces out[:, n0:n0+P]. Extra memory: the panel plus an [M, P] result,
@@ -537,8 +539,15 @@ void run_tasks(int64_t count, const Task& task) {
 //     s16 = e8m0 scales of the span (per row)
 //     for group g: w0, w1 = decode(W[n, g]); for m: t = dot(w0, A0) + dot(w1, A1)
 //                  acc[m][n] += t * s16[lanes of g]
-// Tiles: NT = 4 x MT = 1-3 (decode shared by nothing, four rows in flight),
-// NT = 2 x MT = 4-8 below 9 rows, else NT = 1 with MT <= 8 row tiles.
+// Tiles: up to 3 rows, NT = 4 weight rows x MT = 1-3 rows with the per-lane
+// scales above. From 4 rows the scales move out of the inner loop: MXFP4
+// folds them into the decoded weights (fp4_scaled_tile), fp8 with row-block
+// scales into a per-task copy of A (fp8_prescaled_rows); both run NT = 4 x
+// MT <= 4 register tiles, one accumulator each, two vdpbf16ps per group.
+// Other fp8 blocks (1 x 32) keep the per-lane scales: NT = 2 x MT <= 8 up to
+// 8 rows, then NT = 1 x MT <= 8. Every tile of a row block prefetches the
+// next NT rows (and their scales): short row streams do not train the
+// hardware prefetchers.
 namespace dotbf16 {
 
 constexpr int64_t kGroup = 64;
@@ -770,8 +779,36 @@ struct Fp4ScaledCheck {
   }
 };
 
+// A [MT rows] x decoded weights [NT rows] read back from `scratch` (row j's
+// group g at scratch + (j * ngroups + g) * 64, as fp4_scaled_tile and
+// fp8_prescaled_tile store them): the later row tiles of a weight tile, so a
+// weight row is decoded once per call whatever M is.
 template <int MT, int NT>
-bool fp4_scaled_tile(const Fp4Dot& dec, const Problem& p, int64_t m0, int64_t n0) {
+void scratch_tile(const Problem& p, const uint16_t* a_base, const uint16_t* scratch, int64_t m0, int64_t n0) {
+  const uint16_t* arows[MT];
+  for (int i = 0; i < MT; ++i) arows[i] = a_base + (m0 + i) * p.kp;
+  __m512 acc[MT][NT];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.ngroups; ++g) {
+    __m512bh w0[NT], w1[NT];
+    for (int j = 0; j < NT; ++j) {
+      const uint16_t* wj = scratch + (j * p.ngroups + g) * kGroup;
+      w0[j] = (__m512bh)_mm512_loadu_si512(wj);
+      w1[j] = (__m512bh)_mm512_loadu_si512(wj + 32);
+    }
+    for (int i = 0; i < MT; ++i) {
+      const __m512bh a0 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup);
+      const __m512bh a1 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup + 32);
+      for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j], w0[j], a0), w1[j], a1);
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <int MT, int NT>
+bool fp4_scaled_tile(const Fp4Dot& dec, const Problem& p, int64_t m0, int64_t n0, uint16_t* store) {
   const WeightView& w = *p.w;
   const uint8_t* rows[NT];
   const uint8_t* srows[NT];
@@ -810,6 +847,10 @@ bool fp4_scaled_tile(const Fp4Dot& dec, const Problem& p, int64_t m0, int64_t n0
       const __m512i idx_odd = _mm512_or_si512(_mm512_srli_epi16(b, 4), second);
       even[j] = (__m512bh)_mm512_permutex2var_epi16(t0, idx_even, t1);
       odd[j] = (__m512bh)_mm512_permutex2var_epi16(t0, idx_odd, t1);
+      if (store != nullptr) {
+        _mm512_storeu_si512(store + (j * p.ngroups + g) * kGroup, (__m512i)even[j]);
+        _mm512_storeu_si512(store + (j * p.ngroups + g) * kGroup + 32, (__m512i)odd[j]);
+      }
     }
     for (int i = 0; i < MT; ++i) {
       const __m512bh a0 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup);
@@ -826,21 +867,32 @@ bool fp4_scaled_tile(const Fp4Dot& dec, const Problem& p, int64_t m0, int64_t n0
 // a tile whose scale codes rule out the folded path takes the general one.
 inline void fp4_scaled_rows(const Fp4Dot& dec, const Problem& p, int64_t M, int64_t n0) {
   const int64_t tiles = (M + 3) / 4;
+  thread_local std::vector<uint16_t> scratch;
+  if (tiles > 1) scratch.resize(4 * p.ngroups * kGroup);
+  uint16_t* store = tiles > 1 ? scratch.data() : nullptr;
   int64_t m0 = 0;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t mt = (M - m0) / (tiles - t);
-    bool done = false;
-    switch (mt) {
-      case 1: done = fp4_scaled_tile<1, 4>(dec, p, m0, n0); break;
-      case 2: done = fp4_scaled_tile<2, 4>(dec, p, m0, n0); break;
-      case 3: done = fp4_scaled_tile<3, 4>(dec, p, m0, n0); break;
-      default: done = fp4_scaled_tile<4, 4>(dec, p, m0, n0); break;
-    }
-    if (!done) {
-      for (int j = 0; j < 4; ++j)
-        for (int64_t i = 0; i < mt; ++i) {  // the general tile, one row pair at a time
-          tile<Fp4Dot, 1, 1>(dec, p, m0 + i, n0 + j);
-        }
+    if (t == 0) {
+      bool done = false;
+      switch (mt) {
+        case 1: done = fp4_scaled_tile<1, 4>(dec, p, m0, n0, store); break;
+        case 2: done = fp4_scaled_tile<2, 4>(dec, p, m0, n0, store); break;
+        case 3: done = fp4_scaled_tile<3, 4>(dec, p, m0, n0, store); break;
+        default: done = fp4_scaled_tile<4, 4>(dec, p, m0, n0, store); break;
+      }
+      if (!done) {  // codes out of the folded range: the general tile for all of M
+        for (int j = 0; j < 4; ++j)
+          for (int64_t i = 0; i < M; ++i) tile<Fp4Dot, 1, 1>(dec, p, i, n0 + j);
+        return;
+      }
+    } else {
+      switch (mt) {
+        case 1: scratch_tile<1, 4>(p, p.a, store, m0, n0); break;
+        case 2: scratch_tile<2, 4>(p, p.a, store, m0, n0); break;
+        case 3: scratch_tile<3, 4>(p, p.a, store, m0, n0); break;
+        default: scratch_tile<4, 4>(p, p.a, store, m0, n0); break;
+      }
     }
     m0 += mt;
   }
@@ -908,7 +960,8 @@ inline void fp8_prescale(const Problem& p, int64_t M, const uint8_t* srow, uint1
 }
 
 template <int MT, int NT>
-void fp8_prescaled_tile(const Fp8Dot& dec, const Problem& p, const uint16_t* a_scaled, int64_t m0, int64_t n0) {
+void fp8_prescaled_tile(const Fp8Dot& dec, const Problem& p, const uint16_t* a_scaled, int64_t m0, int64_t n0,
+                        uint16_t* store) {
   const WeightView& w = *p.w;
   const uint8_t* rows[NT];
   for (int j = 0; j < NT; ++j) rows[j] = w.data + (n0 + j) * w.row_stride;
@@ -930,6 +983,10 @@ void fp8_prescaled_tile(const Fp8Dot& dec, const Problem& p, const uint16_t* a_s
         dec.decode_masked(rows[j], g, Fp8Dot::valid_bytes(p.row_bytes, g), lo, hi);
       w0[j] = (__m512bh)lo;
       w1[j] = (__m512bh)hi;
+      if (store != nullptr) {
+        _mm512_storeu_si512(store + (j * p.ngroups + g) * kGroup, lo);
+        _mm512_storeu_si512(store + (j * p.ngroups + g) * kGroup + 32, hi);
+      }
     }
     for (int i = 0; i < MT; ++i) {
       const __m512bh a0 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup);
@@ -951,24 +1008,36 @@ inline bool fp8_prescaled_rows(const Fp8Dot& dec, const Problem& p, int64_t M, i
   a_scaled.resize(M * p.kp);
   fp8_prescale(p, M, srow, a_scaled.data());
   const int64_t tiles = (M + 3) / 4;
+  thread_local std::vector<uint16_t> scratch;
+  if (tiles > 1) scratch.resize(4 * p.ngroups * kGroup);
+  uint16_t* store = tiles > 1 ? scratch.data() : nullptr;
+  const uint16_t* as = a_scaled.data();
   for (int64_t n = n0; n < n_end; n += 4) {
+    const bool four = n + 4 <= n_end;
     int64_t m0 = 0;
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t mt = (M - m0) / (tiles - t);
-      if (n + 4 <= n_end) {
+      if (four && t == 0) {
         switch (mt) {
-          case 1: fp8_prescaled_tile<1, 4>(dec, p, a_scaled.data(), m0, n); break;
-          case 2: fp8_prescaled_tile<2, 4>(dec, p, a_scaled.data(), m0, n); break;
-          case 3: fp8_prescaled_tile<3, 4>(dec, p, a_scaled.data(), m0, n); break;
-          default: fp8_prescaled_tile<4, 4>(dec, p, a_scaled.data(), m0, n); break;
+          case 1: fp8_prescaled_tile<1, 4>(dec, p, as, m0, n, store); break;
+          case 2: fp8_prescaled_tile<2, 4>(dec, p, as, m0, n, store); break;
+          case 3: fp8_prescaled_tile<3, 4>(dec, p, as, m0, n, store); break;
+          default: fp8_prescaled_tile<4, 4>(dec, p, as, m0, n, store); break;
+        }
+      } else if (four) {
+        switch (mt) {
+          case 1: scratch_tile<1, 4>(p, as, store, m0, n); break;
+          case 2: scratch_tile<2, 4>(p, as, store, m0, n); break;
+          case 3: scratch_tile<3, 4>(p, as, store, m0, n); break;
+          default: scratch_tile<4, 4>(p, as, store, m0, n); break;
         }
       } else {
         for (int64_t r = n; r < n_end; ++r) {
           switch (mt) {
-            case 1: fp8_prescaled_tile<1, 1>(dec, p, a_scaled.data(), m0, r); break;
-            case 2: fp8_prescaled_tile<2, 1>(dec, p, a_scaled.data(), m0, r); break;
-            case 3: fp8_prescaled_tile<3, 1>(dec, p, a_scaled.data(), m0, r); break;
-            default: fp8_prescaled_tile<4, 1>(dec, p, a_scaled.data(), m0, r); break;
+            case 1: fp8_prescaled_tile<1, 1>(dec, p, as, m0, r, nullptr); break;
+            case 2: fp8_prescaled_tile<2, 1>(dec, p, as, m0, r, nullptr); break;
+            case 3: fp8_prescaled_tile<3, 1>(dec, p, as, m0, r, nullptr); break;
+            default: fp8_prescaled_tile<4, 1>(dec, p, as, m0, r, nullptr); break;
           }
         }
       }
