@@ -293,7 +293,7 @@ def torchao_linears(w_bf16):
             out[name] = lin
             break
         if name not in out:
-            notes.append(f"{name} has no CPU path here ({'; '.join(errors)})")
+            notes.append(f"{name}: no CPU path ({len(errors)} packing formats tried; first: {errors[0]})")
     return out, "; ".join(notes)
 
 
@@ -437,9 +437,11 @@ def plot(runs: list[dict], path: Path) -> None:
 
     shapes = list(dict.fromkeys((r["n"], r["k"]) for r in runs[0]["results"]))
     fig, axes = plt.subplots(len(runs), len(shapes), figsize=(4 * len(shapes), 3.6 * len(runs)), squeeze=False)
-    series = [("torch_bq fp8", "fp8", "o-"), ("ggml q8_0", "q8_0", "o--"), ("torch_bq fp4", "fp4", "s-"),
-              ("ggml mxfp4", "mxfp4", "s--"), ("F.linear bf16", "bf16", "^:"), ("torchao int8", "ao-int8", "x:"),
-              ("torchao int4", "ao-int4", "+:"), ("fp4 bandwidth floor", "floor4", "k-")]
+    series = [("torch_bq fp8 (op)", "fp8", "o-"), ("torch_bq fp8 (kernel call)", "fp8-kernel", "o-."),
+              ("ggml q8_0", "q8_0", "o--"), ("torch_bq fp4 (op)", "fp4", "s-"),
+              ("torch_bq fp4 (kernel call)", "fp4-kernel", "s-."), ("ggml mxfp4", "mxfp4", "s--"),
+              ("F.linear bf16", "bf16", "^:"), ("torchao int8", "ao-int8", "x:"), ("torchao int4", "ao-int4", "+:"),
+              ("fp4 bandwidth floor", "floor4", "k-")]
     for row, run in enumerate(runs):
         for col, (n, k) in enumerate(shapes):
             ax = axes[row][col]
@@ -456,7 +458,7 @@ def plot(runs: list[dict], path: Path) -> None:
             if col == 0:
                 ax.set_ylabel("ms per call (1 thread)")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

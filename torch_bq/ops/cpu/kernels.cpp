@@ -544,11 +544,14 @@ void run_tasks(int64_t count, const Task& task) {
 // scales above. From 4 rows the scales move out of the inner loop: MXFP4
 // folds them into the decoded weights (fp4_scaled_tile), fp8 with row-block
 // scales into a per-task copy of A (fp8_prescaled_rows); both run NT = 4 x
-// MT <= 4 register tiles, one accumulator each, two vdpbf16ps per group.
-// Other fp8 blocks (1 x 32) keep the per-lane scales: NT = 2 x MT <= 8 up to
-// 8 rows, then NT = 1 x MT <= 8. Every tile of a row block prefetches the
-// next NT rows (and their scales): short row streams do not train the
-// hardware prefetchers.
+// MT <= 4 register tiles, one accumulator each, two vdpbf16ps per group;
+// from 5 rows the first row tile also stores the decoded weights to an L2
+// scratch that the later row tiles read (scratch_tile). Other fp8 blocks
+// (1 x 32) keep the per-lane scales: NT = 2 x MT <= 8 up to 8 rows, then
+// NT = 1 x MT <= 8. Tiles prefetch the weight rows two tiles ahead (and their
+// scales): short row streams do not train the hardware prefetchers.
+// Known cost step: a row tile of fewer than 4 rows has too few independent
+// accumulators to hide vdpbf16ps latency, so M = 5 costs about 2x M = 4.
 namespace dotbf16 {
 
 constexpr int64_t kGroup = 64;
