@@ -550,8 +550,9 @@ void run_tasks(int64_t count, const Task& task) {
 // (1 x 32) keep the per-lane scales: NT = 2 x MT <= 8 up to 8 rows, then
 // NT = 1 x MT <= 8. Tiles prefetch the weight rows two tiles ahead (and their
 // scales): short row streams do not train the hardware prefetchers.
-// Known cost step: a row tile of fewer than 4 rows has too few independent
-// accumulators to hide vdpbf16ps latency, so M = 5 costs about 2x M = 4.
+// Row tiles of 1-2 rows keep two accumulators per pair (one dependent
+// vdpbf16ps per group); still, M = 5 (two row tiles) costs 1.25-1.4x per row
+// what M = 4 does.
 namespace dotbf16 {
 
 constexpr int64_t kGroup = 64;
@@ -792,9 +793,12 @@ template <int MT, int NT>
 void scratch_tile(const Problem& p, const uint16_t* a_base, const uint16_t* scratch, int64_t m0, int64_t n0) {
   const uint16_t* arows[MT];
   for (int i = 0; i < MT; ++i) arows[i] = a_base + (m0 + i) * p.kp;
-  __m512 acc[MT][NT];
+  // Below 3 rows, two accumulators per pair: one dependent vdpbf16ps per group, not two.
+  constexpr int kAcc = MT <= 2 ? 2 : 1;
+  __m512 acc[MT][NT][kAcc];
   for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NT; ++j)
+      for (int h = 0; h < kAcc; ++h) acc[i][j][h] = _mm512_setzero_ps();
   for (int64_t g = 0; g < p.ngroups; ++g) {
     __m512bh w0[NT], w1[NT];
     for (int j = 0; j < NT; ++j) {
@@ -805,11 +809,18 @@ void scratch_tile(const Problem& p, const uint16_t* a_base, const uint16_t* scra
     for (int i = 0; i < MT; ++i) {
       const __m512bh a0 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup);
       const __m512bh a1 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup + 32);
-      for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j], w0[j], a0), w1[j], a1);
+      for (int j = 0; j < NT; ++j) {
+        if constexpr (kAcc == 2) {
+          acc[i][j][0] = _mm512_dpbf16_ps(acc[i][j][0], w0[j], a0);
+          acc[i][j][1] = _mm512_dpbf16_ps(acc[i][j][1], w1[j], a1);
+        } else {
+          acc[i][j][0] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j][0], w0[j], a0), w1[j], a1);
+        }
+      }
     }
   }
   for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+    for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(kAcc == 2 ? _mm512_add_ps(acc[i][j][0], acc[i][j][kAcc - 1]) : acc[i][j][0]);
 }
 
 template <int MT, int NT>
@@ -826,9 +837,12 @@ bool fp4_scaled_tile(const Fp4Dot& dec, const Problem& p, int64_t m0, int64_t n0
   for (int i = 0; i < MT; ++i) arows[i] = p.a + (m0 + i) * p.kp;
   // One accumulator per (row, weight row): NT x MT <= 16 registers, and
   // each group's A values are loaded once for NT weight rows.
-  __m512 acc[MT][NT];
+  // Below 3 rows, two accumulators per pair: one dependent vdpbf16ps per group, not two.
+  constexpr int kAcc = MT <= 2 ? 2 : 1;
+  __m512 acc[MT][NT][kAcc];
   for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NT; ++j)
+      for (int h = 0; h < kAcc; ++h) acc[i][j][h] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi16(0x0F);
   // Index bit 5 picks the second table for words 16..31 (the group's second block).
   const __m512i second = _mm512_maskz_set1_epi16(0xFFFF0000u, 0x20);
@@ -860,11 +874,18 @@ bool fp4_scaled_tile(const Fp4Dot& dec, const Problem& p, int64_t m0, int64_t n0
     for (int i = 0; i < MT; ++i) {
       const __m512bh a0 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup);
       const __m512bh a1 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup + 32);
-      for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j], even[j], a0), odd[j], a1);
+      for (int j = 0; j < NT; ++j) {
+        if constexpr (kAcc == 2) {
+          acc[i][j][0] = _mm512_dpbf16_ps(acc[i][j][0], even[j], a0);
+          acc[i][j][1] = _mm512_dpbf16_ps(acc[i][j][1], odd[j], a1);
+        } else {
+          acc[i][j][0] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j][0], even[j], a0), odd[j], a1);
+        }
+      }
     }
   }
   for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+    for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(kAcc == 2 ? _mm512_add_ps(acc[i][j][0], acc[i][j][kAcc - 1]) : acc[i][j][0]);
   return true;
 }
 
@@ -972,9 +993,12 @@ void fp8_prescaled_tile(const Fp8Dot& dec, const Problem& p, const uint16_t* a_s
   for (int j = 0; j < NT; ++j) rows[j] = w.data + (n0 + j) * w.row_stride;
   const uint16_t* arows[MT];
   for (int i = 0; i < MT; ++i) arows[i] = a_scaled + (m0 + i) * p.kp;
-  __m512 acc[MT][NT];
+  // Below 3 rows, two accumulators per pair: one dependent vdpbf16ps per group, not two.
+  constexpr int kAcc = MT <= 2 ? 2 : 1;
+  __m512 acc[MT][NT][kAcc];
   for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NT; ++j)
+      for (int h = 0; h < kAcc; ++h) acc[i][j][h] = _mm512_setzero_ps();
   const uint8_t* ahead = w.data + (n0 + 2 * NT) * w.row_stride;
   const int64_t full = p.row_bytes / Fp8Dot::kGroupBytes;
   for (int64_t g = 0; g < p.ngroups; ++g) {
@@ -996,11 +1020,18 @@ void fp8_prescaled_tile(const Fp8Dot& dec, const Problem& p, const uint16_t* a_s
     for (int i = 0; i < MT; ++i) {
       const __m512bh a0 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup);
       const __m512bh a1 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup + 32);
-      for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j], w0[j], a0), w1[j], a1);
+      for (int j = 0; j < NT; ++j) {
+        if constexpr (kAcc == 2) {
+          acc[i][j][0] = _mm512_dpbf16_ps(acc[i][j][0], w0[j], a0);
+          acc[i][j][1] = _mm512_dpbf16_ps(acc[i][j][1], w1[j], a1);
+        } else {
+          acc[i][j][0] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j][0], w0[j], a0), w1[j], a1);
+        }
+      }
     }
   }
   for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+    for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(kAcc == 2 ? _mm512_add_ps(acc[i][j][0], acc[i][j][kAcc - 1]) : acc[i][j][0]);
 }
 
 // Rows [n0, n_end) of one 16-row task: 4-row tiles x m-tiles of near-equal height <= 4.
