@@ -119,6 +119,28 @@ def run_child(*args) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def machine() -> str:
+    """CPU model, the ISA extensions that matter here, load average, torch version (one line)."""
+    import platform
+
+    import torch
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name") and model in ("", platform.machine()):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    isa = [f for f in ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16") if f in flags]
+    load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",) * 3
+    return (f"{model}; ISA: {' '.join(isa) or 'baseline'}; load average {' '.join(f'{v:.2f}' for v in load)}; "
+            f"torch {torch.__version__}, {os.cpu_count()} CPUs")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=16384)
@@ -126,6 +148,7 @@ def main() -> None:
     ap.add_argument("--formats", default="fp8,fp8-ds,fp4")
     args = ap.parse_args()
     mib = 2**20
+    print(machine())
     print(f"layer {args.n} x {args.k}; peak RSS growth over each subprocess's baseline")
     print(f"{'format':<8} {'quantized':>10} {'from_checkpoint+fwd':>20} {'ratio':>6} "
           f"{'load_file':>10} {'ratio':>6} {'bf16 weight':>12} {'ratio':>6} {'load s':>7}")

@@ -1,4 +1,4 @@
-"""Paged KV write and paged sliding-window attention (SPEC.md §5 steps 4-5).
+"""Paged KV write and paged sliding-window attention (docs/contract.md §5 steps 4-5).
 
 The ground truth is a dense computation written here: each request's keys and
 values live in plain ``[seq_len, Hkv, d]`` arrays, the visible ones are picked
@@ -404,11 +404,13 @@ def test_attention_errors(change, kw, error, match):
         _attend(a, **kw)
 
 
-def test_metadata_checked_only_when_asked():
+@pytest.mark.parametrize("entry", [99, 8, -1])
+def test_block_table_entries_checked_even_without_validate(entry):
+    # validate=False skips the metadata checks, but the op still refuses a table entry
+    # outside the cache (-1 used to read the last block silently, 99 an IndexError).
     a = _valid()
-    a["block_table"][1, 2] = 99
-    # validate=False goes straight to the kernel, which then indexes out of the cache.
-    with pytest.raises(IndexError):
+    a["block_table"][1, 2] = entry
+    with pytest.raises(ValueError, match=rf"request 1, logical block 2 maps to physical block {entry}, outside"):
         _attend(a, validate=False)
 
 

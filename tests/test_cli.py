@@ -21,10 +21,11 @@ def test_inspect_lists_every_layout(tmp_path, capsys):
     fx.deepseek_v3(tmp_path / "ds", prefix="model.layers.0.mlp.down_proj", n=300, k=260)
     assert cli.inspect_main([str(tmp_path / "ds"), "-q"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["tensor", "layout", "format", "block", "shape", "[N,", "K]", "bytes", "status"]
+    assert out[0].split() == ["tensor", "layout", "format", "block", "scale", "from", "shape", "[N,", "K]", "bytes",
+                              "status"]
     row = out[1].split()
-    assert row[:4] == ["model.layers.0.mlp.down_proj", "deepseek-v3", "fp8", "128x128"]
-    assert row[4:7] == ["300", "x", "260"] and row[-1] == "ok"
+    assert row[:6] == ["model.layers.0.mlp.down_proj", "deepseek-v3", "fp8", "128x128", "f32", "config"]
+    assert row[6:9] == ["300", "x", "260"] and row[-1] == "ok"
     # data 300*260 bytes + float32 scales 3*3*4
     assert out[-1] == (f"total: 1 quantized layers, {(300 * 260 + 36) / 1024:.2f} KiB quantized; "
                        f"1 other tensors, 64 B; 0 invalid")
@@ -34,7 +35,7 @@ def test_inspect_gpt_oss_and_mixed(tmp_path, capsys):
     fx.gpt_oss(tmp_path / "g.safetensors", prefix="experts.down_proj", experts=3)
     assert cli.inspect_main([str(tmp_path / "g.safetensors"), "-q"]) == 0
     row = capsys.readouterr().out.splitlines()[1]
-    assert "experts.down_proj  gpt-oss  fp4     1x32   64 x 96 x 3 experts" in row and row.endswith("ok")
+    assert re.search(r"experts.down_proj\s+gpt-oss\s+fp4\s+1x32\s+e8m0\s+layout\s+64 x 96 x 3 experts", row) and row.endswith("ok")
 
 
 def test_inspect_reports_nan_codes_and_exits_1(tmp_path, capsys):
@@ -48,14 +49,14 @@ def test_inspect_reports_nan_codes_and_exits_1(tmp_path, capsys):
     assert cli.inspect_main([str(tmp_path / "g.safetensors"), "-q"]) == 1
     out = capsys.readouterr().out
     assert "expert 2: e_scales: found NaN e8m0 code 255 at index [10, 1]" in out
-    assert re.search(r"^ok\s+torch_bq\s+fp8\s+32x32\s+64 x 64\s+4.00 KiB\s+ok$", out, re.M)
+    assert re.search(r"^ok\s+torch_bq\s+fp8\s+32x32\s+e8m0\s+shapes\s+64 x 64\s+4.00 KiB\s+ok$", out, re.M)
     assert out.rstrip().endswith("1 invalid")
 
 
 def test_inspect_unreadable_file_exits_2(tmp_path, capsys):
     (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 4)
     assert cli.inspect_main([str(tmp_path / "bad.safetensors")]) == 2
-    assert "not a readable safetensors file" in capsys.readouterr().err
+    assert "not a valid safetensors file" in capsys.readouterr().err
 
 
 def test_convert_command_round_trip(tmp_path, capsys):
@@ -98,7 +99,7 @@ def test_parsers_plug_into_a_host_cli(tmp_path, capsys):
     fx.torch_bq_layout(tmp_path / "m.safetensors", fmt="fp4")
     args = parser.parse_args(["inspect", str(tmp_path / "m.safetensors"), "--quiet"])
     assert args.func(args) == 0
-    assert re.search(r"^proj\s+torch_bq\s+fp4\s+1x32\s+70 x 100\s", capsys.readouterr().out, re.M)
+    assert re.search(r"^proj\s+torch_bq\s+fp4\s+1x32\s+e8m0\s+shapes\s+70 x 100\s", capsys.readouterr().out, re.M)
 
 
 def test_module_entry_point_runs(tmp_path):

@@ -191,7 +191,7 @@ def test_meta_modules_shard_to_meta():
 
 
 def test_unsupported_inputs_are_refused():
-    with pytest.raises(TypeError, match="expected an FP8Linear, FP4Linear or BF16Linear, got Linear"):
+    with pytest.raises(TypeError, match="expected an FP8Linear, FP4Linear, NVFP4Linear or BF16Linear, got Linear"):
         column_shard(torch.nn.Linear(4, 4), [(0, 2)])
     with pytest.raises(ValueError, match=r"rows: range \[3, 3\) is empty"):
         column_shard(_fp8(8, 8, (1, 32), torch.float8_e8m0fnu), [(3, 3)])

@@ -1,6 +1,6 @@
-"""DrafterConfig, DrafterLayer and Drafter (SPEC.md §5) on tiny configs.
+"""DrafterConfig, DrafterLayer and Drafter (docs/contract.md §5) on tiny configs.
 
-The layer is checked against a dense float64 implementation of SPEC.md §5 written
+The layer is checked against a dense float64 implementation of docs/contract.md §5 written
 here (its own norm, RoPE, attention over plain per-request arrays and SwiGLU,
 sharing only the linear ops and the qdq rule, which have their own tests).
 """
@@ -66,7 +66,7 @@ def test_config_defaults_are_the_full_size_drafter():
         (dict(rows_per_request=True), ValueError, "rows_per_request"),
         (dict(rms_norm_eps=0.0), ValueError, "rms_norm_eps: expected a positive number"),
         (dict(weight_format="fp4"), ValueError, r"weight_format: expected one of \['bf16', 'fp8', 'mxfp8'\], got 'fp4'"),
-        (dict(act_peak=500.0), ValueError, "act_peak: expected 0 < act_peak <= 448"),
+        (dict(act_peak=500.0), ValueError, "act_peak: expected 4 <= act_peak <= 448"),
         (dict(causal=1), TypeError, "causal: expected a bool"),
     ],
 )
@@ -188,7 +188,7 @@ def clone_caches(caches):
 
 
 # --------------------------------------------------------------------------- #
-# dense implementation of SPEC.md §5
+# dense implementation of docs/contract.md §5
 # --------------------------------------------------------------------------- #
 
 
@@ -221,7 +221,7 @@ def dense_linear(module, x):
 
 
 def dense_layer(layer, hidden, positions, seq_lens, context):
-    """float64 SPEC.md §5 with the contract's bf16 rounding points; returns (h, k, v) of this step."""
+    """float64 docs/contract.md §5 with the contract's bf16 rounding points; returns (h, k, v) of this step."""
     c = layer.config
     rows, hq, hkv, d = hidden.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
     eps = c.rms_norm_eps
@@ -333,7 +333,7 @@ def test_compiled_drafter_equals_eager():
     eager = drafter(step.hidden, *args, eager_caches, step.block_table, step.slots, step.seq_lens)
     # validate is on: fullgraph=True also proves the eager-only checks stay out of the graph.
     # Inductor otherwise keeps fused bf16 intermediates in float32 (skipping the
-    # roundings SPEC.md §5 prescribes); with the casts emulated it matches eager bit for bit.
+    # roundings docs/contract.md §5 prescribes); with the casts emulated it matches eager bit for bit.
     with inductor_config.patch(emulate_precision_casts=True):
         compiled_fn = torch.compile(drafter, fullgraph=True)
         compiled = compiled_fn(step.hidden, *args, compiled_caches, step.block_table, step.slots, step.seq_lens)
@@ -345,7 +345,7 @@ def test_compiled_drafter_equals_eager():
 
 def test_fp8_weights_close_to_bf16_weights():
     # Same float weights, quantized to fp8 (32x32 blocks, fp8 activations) or rounded to
-    # bf16. SPEC.md §2-3: e4m3 keeps 3 mantissa bits under a power-of-two block scale, a
+    # bf16. docs/contract.md §2-3: e4m3 keeps 3 mantissa bits under a power-of-two block scale, a
     # relative rounding error <= 2**-4 and ~2**-4/sqrt(3) RMS (~28 dB) for each of weight
     # and activation, so ~25 dB for one linear. The layer's output is h + o_proj(.) +
     # down(.); its residual updates (out - hidden) pass through up to three quantized
@@ -416,7 +416,8 @@ def test_from_checkpoint_fuses_separate_qkv(weight_format):
 def test_from_checkpoint_errors():
     config = TINY
     state = dict(make_drafter(config).state_dict())
-    message = r"qkv_proj.weight_scale: expected shape \[256, 2\] .* block \[1, 32\] .* got \[8, 2\] \(config.weight_format='mxfp8'\)"
+    # the checkpoint's own record (FP8Linear's _extra_state) contradicts the config
+    message = r"qkv_proj.weight_scale: block=\[1, 32\] was passed but .*records block \[32, 32\] \(config.weight_format='mxfp8'\)"
     with pytest.raises(CheckpointError, match=message):
         Drafter.from_checkpoint(state, config=dataclasses.replace(config, weight_format="mxfp8"))
     with pytest.raises(CheckpointError, match="holds fp8 block .* weights, but config.weight_format='bf16'"):
@@ -432,25 +433,34 @@ def test_from_checkpoint_errors():
         Drafter.from_checkpoint(state, config=dataclasses.replace(config, num_attention_heads=2, num_key_value_heads=1))
 
 
-def test_from_checkpoint_refuses_straddling_qkv_blocks():
-    # KV heads of 16 rows each cannot be fused under 32-row scale blocks without requantizing.
+def test_from_checkpoint_fuses_straddling_qkv_blocks_exactly():
+    # KV heads of 16 rows each under 32-row scale blocks: the fused weight uses 16-row blocks,
+    # on which every scale is a copy of its part's (this was refused before). v's scales are
+    # float32 (DeepSeek style) next to e8m0 ones: the fused scales are float32, also exactly.
     config = dataclasses.replace(TINY, head_dim=16, rotary_dim=8, num_attention_heads=4, num_key_value_heads=1)
     weights = float_weights(config)
     state = {k: v for k, v in quantized_state(config, weights).items() if "qkv" not in k}
+    parts = {}
     for i in range(config.num_layers):
         w = weights[f"layers.{i}.qkv_proj.weight"]
         for name, rows in (("q", slice(0, 64)), ("k", slice(64, 80)), ("v", slice(80, 96))):
-            data, scale = formats.quantize_fp8(w[rows])
+            data, scale = formats.quantize_fp8(w[rows], scale_dtype=torch.float32 if name == "v" else torch.float8_e8m0fnu)
             state[f"layers.{i}.{name}_proj.weight"] = data
             state[f"layers.{i}.{name}_proj.weight_scale"] = scale
-    with pytest.raises(CheckpointError, match="k_proj.weight: 16 rows is not a multiple of the scale block's 32"):
-        Drafter.from_checkpoint(state, config=config)
+            parts[i, name] = formats.dequantize_fp8(data, scale, (32, 32), torch.float32)
+    drafter = Drafter.from_checkpoint(state, config=config)
+    for i, layer in enumerate(drafter.layers):
+        qkv = layer.qkv_proj
+        assert qkv.block == (16, 32) and qkv.weight_scale.dtype == torch.float32
+        fused = formats.dequantize_fp8(qkv.weight, qkv.weight_scale, qkv.block, torch.float32)
+        expected = torch.cat([parts[i, n] for n in "qkv"])
+        assert torch.equal(fused.view(torch.int32), expected.view(torch.int32))
 
 
 def test_state_dict_names():
     layer = DrafterLayer(TINY, device="meta")
     keys = set(layer.state_dict())
-    expected = {f"{n}.weight" for n in (*LINEARS, *NORMS)} | {f"{n}.weight_scale" for n in LINEARS}
+    expected = {f"{n}.weight" for n in (*LINEARS, *NORMS)} | {f"{n}.{t}" for n in LINEARS for t in ("weight_scale", "_extra_state")}
     assert keys == expected
     assert set(DrafterLayer(dataclasses.replace(TINY, weight_format="bf16"), device="meta").state_dict()) == {
         f"{n}.weight" for n in (*LINEARS, *NORMS)

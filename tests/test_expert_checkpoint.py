@@ -213,18 +213,28 @@ def test_truncated_file(gpt_oss_file):
         FP4Experts.from_checkpoint(gpt_oss_file, PREFIX)
 
 
-def test_fp8_block_that_splits_the_fused_gate_up():
-    # I = 96 rows with 128-row scale blocks: w1's one scale row would also cover w3's rows.
-    tensors = {}
-    w = torch.zeros(96, H, dtype=torch.float8_e4m3fn)
+def test_fp8_block_that_splits_the_fused_gate_up_is_reblocked_exactly():
+    # I = 96 rows with 128-row scale blocks: w1's one scale row would also cover w3's rows if the
+    # grids were simply stacked (this was refused before). The module uses 32x128 blocks, on which
+    # [w1; w3] and w2 decode to exactly the stored values.
+    from torch_bq import formats
+
+    g = torch.Generator().manual_seed(5)
+    tensors, decoded = {}, {}
     for e in range(E):
-        for proj in ("w1", "w3"):
-            tensors[f"{PREFIX}.{e}.{proj}.weight"] = w
-            tensors[f"{PREFIX}.{e}.{proj}.scale"] = torch.full((1, 1), 127, dtype=torch.uint8)
-        tensors[f"{PREFIX}.{e}.w2.weight"] = torch.zeros(H, 96, dtype=torch.float8_e4m3fn)
-        tensors[f"{PREFIX}.{e}.w2.scale"] = torch.full((1, 1), 127, dtype=torch.uint8)
-    with pytest.raises(CheckpointError, match=r"scale blocks of 128 rows do not divide the 96 rows of w1"):
-        FP8Experts.from_checkpoint(tensors, PREFIX, block=(128, 128))
+        for proj, shape in (("w1", (96, H)), ("w3", (96, H)), ("w2", (H, 96))):
+            data, scale = formats.quantize_fp8(torch.randn(shape, generator=g) * (1 + e), (128, 128))
+            tensors[f"{PREFIX}.{e}.{proj}.weight"] = data
+            tensors[f"{PREFIX}.{e}.{proj}.scale"] = scale.view(torch.uint8)
+            decoded[e, proj] = formats.dequantize_fp8(data, scale, (128, 128), torch.float32)
+    module = FP8Experts.from_checkpoint(tensors, PREFIX, block=(128, 128))
+    assert module.block == (32, 128) and module.intermediate_size == 96
+    for e in range(E):
+        gate_up = formats.dequantize_fp8(module.gate_up_proj[e], module.gate_up_proj_scale[e], module.block,
+                                         torch.float32)
+        assert torch.equal(gate_up, torch.cat([decoded[e, "w1"], decoded[e, "w3"]]))
+        down = formats.dequantize_fp8(module.down_proj[e], module.down_proj_scale[e], module.block, torch.float32)
+        assert torch.equal(down, decoded[e, "w2"])
 
 
 def test_bad_options(gpt_oss_file):

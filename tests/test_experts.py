@@ -367,22 +367,3 @@ def test_load_state_dict_rejects_nan_codes_before_assigning():
         target.load_state_dict(state)
     for name, t in target.state_dict().items():
         assert torch.equal(t.view(torch.uint8), before[name].view(torch.uint8)), name
-
-
-# --------------------------------------------------------------------------- #
-# docs/moe.md
-# --------------------------------------------------------------------------- #
-
-
-@pytest.mark.slow
-def test_moe_doc_example_runs_as_written(tmp_path, monkeypatch):
-    # The same runner as the other docs pages (its blocks assert their own claims).
-    from test_docs_examples import DOCS, _examples
-
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "__doc_example__"}
-    examples = _examples(DOCS / "moe.md")
-    assert len(examples) >= 5
-    for n, (code, _) in enumerate(examples):
-        exec(compile(code, f"moe.md[block {n}]", "exec"), namespace)
-    assert namespace["out"].shape == (5, namespace["H"])

@@ -1,4 +1,4 @@
-"""Bit-exact tests of torch_bq.formats (SPEC.md §1-2): decoders, quantizers, packing, validation."""
+"""Bit-exact tests of torch_bq.formats (docs/contract.md §1-2): decoders, quantizers, packing, validation."""
 
 import math
 

@@ -145,7 +145,7 @@ def test_matches_float64_within_derived_bound(impl, fmt, counts, n, k, act_quant
     a = formats.qdq_fp8(x) if act_quant else x.to(torch.bfloat16)
     start = 0
     for i, c in enumerate(counts):
-        # The bound of SPEC.md §4 per expert (K + 1 float32 roundings, one output rounding).
+        # The bound of docs/contract.md §4 per expert (K + 1 float32 roundings, one output rounding).
         assert_linear_close(out[start : start + c], a[start : start + c], decoded(i), b[i], msg=f"expert {i}")
         start += c
 

@@ -1,4 +1,4 @@
-"""The torch_bq:: linear ops (SPEC.md §4): math vs float64, opcheck, compile, errors.
+"""The torch_bq:: linear ops (docs/contract.md §4): math vs float64, opcheck, compile, errors.
 
 Every math test runs over two implementations that share one signature: the
 reference body (torch_bq.reference) and whatever the op dispatches to on CPU.
@@ -128,7 +128,7 @@ def test_reference_decodes_in_slabs(monkeypatch):
     x = torch.randn(3, 96)
     whole = ops.fp8_linear(x, d, s)
     monkeypatch.setattr(reference.linear, "SLAB_BYTES", 32 * 96 * 4)  # one 32-row block a slab
-    assert reference.linear._slab_rows(96, 32) == 32
+    assert reference.linear.slab_rows(96, 32) == 32
     assert torch.equal(reference.fp8_linear(x, d, s, None, [32, 32], True, 224.0, torch.bfloat16), whole)
     p, s4 = formats.quantize_fp4(w)
     assert torch.equal(reference.fp4_linear(x, p, s4, None, True, 224.0, torch.bfloat16), ops.fp4_linear(x, p, s4))

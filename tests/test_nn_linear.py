@@ -185,7 +185,7 @@ def test_bf16_module_storage_and_casts():
         (FP8Linear(64, 32), "format=fp8, block=(32, 32), scale=e8m0, act_quant=fp8(peak=224)"),
         (FP8Linear(64, 32, block=(128, 128), scale_dtype=torch.float32, act_quant=False),
          "format=fp8, block=(128, 128), scale=f32, act_quant=off"),
-        (FP4Linear(64, 32, act_peak=448.0), "format=mxfp4, block=(1, 32), act_quant=fp8(peak=448)"),
+        (FP4Linear(64, 32, act_peak=448.0), "format=fp4, block=(1, 32), act_quant=fp8(peak=448)"),
         (BF16Linear(64, 32), "format=bf16"),
     ],
 )
@@ -197,7 +197,7 @@ def test_extra_repr_is_one_short_line(module, expected):
 def test_buffers_not_parameters():
     module = FP8Linear.from_linear(_linear(32, 8))
     assert list(module.parameters()) == []
-    assert set(module.state_dict()) == {"weight", "weight_scale", "bias"}
+    assert set(module.state_dict()) == {"weight", "weight_scale", "bias", "_extra_state"}
 
 
 # --------------------------------------------------------------------------- #
@@ -207,7 +207,7 @@ def test_buffers_not_parameters():
 
 def test_constructor_errors():
     with pytest.raises(ValueError, match="in_features"):
-        FP8Linear(0, 4)
+        FP8Linear(-1, 4)  # 0 is allowed, as for nn.Linear
     with pytest.raises(TypeError, match="scale_dtype"):
         FP8Linear(32, 4, scale_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="act_peak"):
@@ -270,10 +270,12 @@ def test_from_quantized_shape_and_dtype_errors():
     [
         FP8Linear.from_linear(_linear(100, 36)),
         FP8Linear.from_linear(_linear(100, 36), block=(128, 128), scale_dtype=torch.float32),
+        FP8Linear.from_linear(_linear(100, 130), block=(96, 96)),
+        FP8Linear.from_linear(_linear(100, 130), block=(48, 32), scale_dtype=torch.float32),
         FP4Linear.from_linear(_linear(101, 36)),
         BF16Linear.from_linear(_linear(100, 36)),
     ],
-    ids=["fp8", "fp8-f32", "fp4", "bf16"],
+    ids=["fp8", "fp8-f32", "fp8-96x96", "fp8-48x32-f32", "fp4", "bf16"],
 )
 def test_state_dict_round_trip_through_safetensors_is_exact(module, tmp_path):
     save_file(module.state_dict(), tmp_path / "m.safetensors")
@@ -447,3 +449,75 @@ def test_state_dict_errors_name_the_submodule():
     sd = {"1.weight": torch.zeros(64, 64, dtype=torch.float8_e4m3fn), "1.weight_scale": torch.zeros(1, 1, dtype=torch.uint8)}
     with pytest.raises(RuntimeError, match=r"1.weight_scale: expected shape \[2, 2\]"):
         model.load_state_dict(sd)
+
+
+# --------------------------------------------------------------------------- #
+# the block is part of the state; bias dtypes agree
+# --------------------------------------------------------------------------- #
+
+
+def test_state_dict_from_another_block_fails_loudly():
+    # 128 x 128 gives a 2 x 2 scale grid with 96x96 and with 64x64 blocks alike, so shapes
+    # alone cannot tell; before the block was recorded this loaded and decoded another weight.
+    src = FP8Linear.from_linear(_linear(128, 128), block=(96, 96))
+    state = src.state_dict()
+    assert state["_extra_state"].tolist() == [96, 96]
+    for assign in (False, True):
+        dst = FP8Linear(128, 128, bias=True, block=(64, 64))
+        before = {k: _bytes(v).clone() for k, v in dst.state_dict().items() if k != "_extra_state"}
+        with pytest.raises(RuntimeError, match=r"saved with block \(96, 96\) but this module has block \(64, 64\)"):
+            dst.load_state_dict(state, assign=assign)
+        assert all(torch.equal(_bytes(dst.state_dict()[k]), v) for k, v in before.items())
+    same = FP8Linear(128, 128, bias=True, block=(96, 96))
+    same.load_state_dict(state)
+    x = torch.randn(3, 128)
+    assert torch.equal(same(x), src(x))
+
+
+def test_block_survives_safetensors_and_old_state_dicts_still_load(tmp_path):
+    src = FP8Linear.from_linear(_linear(128, 96), block=(96, 96))
+    save_file(src.state_dict(), tmp_path / "m.safetensors")
+    loaded = load_file(tmp_path / "m.safetensors")
+    with pytest.raises(RuntimeError, match="saved with block"):
+        FP8Linear(128, 96, bias=True, block=(64, 64)).load_state_dict(loaded)
+    # A state dict without the record (another library's, or written before it existed) loads on shapes.
+    del loaded["_extra_state"]
+    dst = FP8Linear(128, 96, bias=True, block=(96, 96))
+    dst.load_state_dict(loaded)
+    assert torch.equal(_bytes(dst.weight_scale), _bytes(src.weight_scale))
+
+
+def test_experts_record_their_block():
+    from torch_bq.nn import FP8Experts
+
+    g = torch.Generator().manual_seed(0)
+    # H = 128, I = 64: both blocks give [2, 2, 2] gate_up and [2, 2, 1] down scale grids.
+    src = FP8Experts.from_weights(torch.randn(2, 128, 128, generator=g), torch.randn(2, 128, 64, generator=g),
+                                  block=(96, 96))
+    dst = FP8Experts(2, 128, 64, block=(64, 64))
+    assert dst.gate_up_proj_scale.shape == src.gate_up_proj_scale.shape
+    with pytest.raises(RuntimeError, match=r"saved with block \(96, 96\)"):
+        dst.load_state_dict(src.state_dict())
+
+
+@pytest.mark.parametrize("cls", [FP8Linear, FP4Linear])
+def test_constructor_and_from_linear_agree_on_the_bias(cls):
+    lin = _linear(96, 40)  # float32 bias whose values bf16 cannot hold
+    built = cls.from_linear(lin)
+    fresh = cls(96, 40, bias=True)
+    assert fresh.bias.dtype == built.bias.dtype == torch.float32
+    fresh.load_state_dict(built.state_dict())
+    x = torch.randn(5, 96)
+    assert torch.equal(fresh(x), built(x))
+
+
+def test_loading_a_bias_the_module_would_round_is_refused():
+    built = FP8Linear.from_linear(_linear(96, 40))
+    narrow = FP8Linear(96, 40, bias=True, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bias: this module stores a torch.bfloat16 bias"):
+        narrow.load_state_dict(built.state_dict())
+    narrow.load_state_dict(built.state_dict(), assign=True)  # assign takes the float32 bias as is
+    assert narrow.bias.dtype == torch.float32
+    exact = {k: v for k, v in built.state_dict().items()}
+    exact["bias"] = exact["bias"].to(torch.bfloat16).to(torch.float32)  # representable: copied
+    FP8Linear(96, 40, bias=True, dtype=torch.bfloat16).load_state_dict(exact)

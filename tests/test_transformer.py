@@ -1,4 +1,4 @@
-"""The drafter's elementwise pieces (SPEC.md §5 steps 1, 3, 7) against values worked out by hand.
+"""The drafter's elementwise pieces (docs/contract.md §5 steps 1, 3, 7) against values worked out by hand.
 
 The layer tests go through these with activations that never reach the SwiGLU
 clamps (|gate|, |up| stay well below 7), so the clamps and the RoPE pass-through

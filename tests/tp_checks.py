@@ -104,7 +104,7 @@ def decoded(layer) -> torch.Tensor:
 
 
 def activation(layer, x: torch.Tensor) -> torch.Tensor:
-    """``A`` of SPEC.md §4 for ``layer``."""
+    """``A`` of docs/contract.md §4 for ``layer``."""
     if getattr(layer, "act_quant", False):
         return formats.qdq_fp8(x, layer.act_peak).to(torch.float32)
     return x.to(torch.bfloat16).to(torch.float32)
@@ -346,6 +346,9 @@ def write_drafter_checkpoints(root: Path) -> None:
             continue
         per_row = 1 if key.endswith(".weight") else bn  # scale rows cover bn weight rows
         for name, a, b in (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)):
+            if key.endswith("._extra_state"):  # the recorded block [bn, bk]: the same for each part
+                split[key.replace("qkv_proj", name)] = value.clone()
+                continue
             split[key.replace("qkv_proj", name)] = value[a // per_row:b // per_row].contiguous()
     save_file(split, str(root / "drafter_split.safetensors"))
 

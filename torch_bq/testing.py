@@ -24,8 +24,10 @@ from . import formats
 __all__ = [
     "FP8Weight",
     "FP4Weight",
+    "NVFP4Weight",
     "fp8_weights",
     "fp4_weights",
+    "nvfp4_weights",
     "activations",
     "linear_error_bound",
     "assert_linear_close",
@@ -60,6 +62,20 @@ class FP4Weight:
         return formats.dequantize_fp4(self.packed, self.scale, self.in_features, dtype)
 
 
+@dataclass(frozen=True)
+class NVFP4Weight:
+    """A valid NVFP4 weight: ``packed [N, ceil(K/2)]`` uint8, ``scale [N, ceil(K/16)]`` e4m3,
+    ``scale_2`` float32 scalar."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    scale_2: torch.Tensor
+    in_features: int
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return formats.dequantize_nvfp4(self.packed, self.scale, self.scale_2, self.in_features, dtype)
+
+
 def _generator(seed: int) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(seed)
@@ -76,7 +92,7 @@ def _scale_codes(shape: Sequence[int], spread: int, g: torch.Generator) -> torch
 @st.composite
 def fp8_weights(
     draw,
-    blocks: Sequence[tuple[int, int]] = ((32, 32), (128, 128), (1, 32), (16, 8)),
+    blocks: Sequence[tuple[int, int]] = (formats.FP8.default_block, (128, 128), formats.MXFP8.default_block, (16, 8)),
     scale_dtypes: Sequence[torch.dtype] = (torch.float8_e8m0fnu, torch.uint8, torch.float32),
     max_n: int = 96,
     max_k: int = 160,
@@ -94,7 +110,7 @@ def fp8_weights(
     g = _generator(draw(st.integers(0, 2**32 - 1)))
     data = torch.randint(0, 256, (n, k), generator=g, dtype=torch.int32).to(torch.uint8)
     data = torch.where((data & 0x7F) == 0x7F, data & 0xF0, data)  # no NaN codes
-    shape = formats.fp8_scale_shape((n, k), block)
+    shape = formats.FP8.scale_shape(n, k, block)
     codes = _scale_codes(shape, scale_spread, g)
     if scale_dtype == torch.float32:
         mantissa = 1.0 + torch.rand(shape, generator=g)
@@ -111,8 +127,21 @@ def fp4_weights(draw, max_n: int = 96, max_k: int = 160, scale_spread: int = 16)
     k = draw(st.integers(1, max_k))
     g = _generator(draw(st.integers(0, 2**32 - 1)))
     nibbles = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32).to(torch.uint8)
-    scale = _scale_codes((n, -(-k // formats.FP4_BLOCK)), scale_spread, g)
+    scale = _scale_codes(formats.FP4.scale_shape(n, k), scale_spread, g)
     return FP4Weight(formats.pack_fp4(nibbles), scale.view(torch.float8_e8m0fnu), k)
+
+
+@st.composite
+def nvfp4_weights(draw, max_n: int = 96, max_k: int = 160) -> NVFP4Weight:
+    """Strategy for valid NVFP4 weights: every positive finite e4m3 block scale (0x01..0x7E,
+    subnormals included), a per-tensor scale that is not a power of two, odd ``K`` included."""
+    n = draw(st.integers(1, max_n))
+    k = draw(st.integers(1, max_k))
+    g = _generator(draw(st.integers(0, 2**32 - 1)))
+    nibbles = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32).to(torch.uint8)
+    scale = torch.randint(1, 0x7F, formats.NVFP4.scale_shape(n, k), generator=g, dtype=torch.int32).to(torch.uint8)
+    scale_2 = (torch.rand((), generator=g) + 0.5) * 2.0 ** draw(st.integers(-12, 4))
+    return NVFP4Weight(formats.pack_fp4(nibbles), scale.view(torch.float8_e4m3fn), scale_2.to(torch.float32), k)
 
 
 @st.composite
@@ -131,7 +160,7 @@ def activations(
     m = draw(st.integers(0, max_rows))
     dtype = draw(st.sampled_from(list(dtypes)))
     g = _generator(draw(st.integers(0, 2**32 - 1)))
-    groups = -(-k // 8)
+    groups = formats.cdiv(k, 8)
     exponents = torch.randint(-max_exponent, max_exponent + 1, (m, groups), generator=g).to(torch.float32)
     zero = torch.rand(m, groups, generator=g) < 0.1
     magnitude = torch.where(zero, 0.0, torch.exp2(exponents)).repeat_interleave(8, dim=1)[:, :k]
@@ -149,7 +178,7 @@ def linear_error_bound(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact ``y = a @ w.T + bias`` in float64 and a per-element error bound for a backend.
 
-    SPEC.md §4 allows any summation order in float32, then one rounding to
+    docs/contract.md §4 allows any summation order in float32, then one rounding to
     ``out_dtype``. For a dot product of length ``K`` plus a bias, every term
     passes through at most ``K + 1`` float32 roundings in any order, so
     (Higham, *Accuracy and Stability*, §3.1) the float32 sum ``s`` satisfies
@@ -168,7 +197,7 @@ def linear_error_bound(
     Returns:
         ``(y, bound)``, both float64 ``[M, N]``.
     """
-    a64 = a.to(torch.float64).reshape(-1, a.shape[-1])
+    a64 = a.to(torch.float64).reshape(a.shape[:-1].numel(), a.shape[-1])  # not -1: K may be 0
     w64 = w.to(torch.float64)
     y = a64 @ w64.T
     magnitude = a64.abs() @ w64.abs().T

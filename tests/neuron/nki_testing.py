@@ -77,6 +77,6 @@ def assert_linear_close(actual, reference, a, w, bias, out_dtype):
 
 
 def activation(x, act_quant, peak=formats.DEFAULT_ACT_PEAK):
-    """``A`` of SPEC.md §4 for a 2-D view of ``x``, as float32."""
+    """``A`` of docs/contract.md §4 for a 2-D view of ``x``, as float32."""
     x2 = x.reshape(-1, x.shape[-1])
     return (formats.qdq_fp8(x2, peak) if act_quant else x2.to(torch.bfloat16)).float()

@@ -298,7 +298,7 @@ def test_other_fp8_layouts_fall_back_to_the_reference(block, scale_dtype, k):
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 def test_scale_codes_the_kernel_cannot_decode_exactly_fall_back(fmt):
-    # Legal weights (SPEC §1) whose bf16 decode factor would leave bf16's range:
+    # Legal weights (docs/contract.md §1) whose bf16 decode factor would leave bf16's range:
     # the reference must serve them rather than the kernel returning NaN or 0.
     k = 64
     x = torch.randn(2, k)

@@ -4,7 +4,7 @@
   (any split, block-aligned or not; results equal one rank's);
 * :func:`column_parallel_from_checkpoint`, :func:`row_parallel_from_checkpoint` — the same,
   each rank reading only its slices of the checkpoint;
-* :func:`tensor_parallel` — shard a ``DrafterLayer``/``Drafter`` as SPEC.md §5 describes;
+* :func:`tensor_parallel` — shard a ``DrafterLayer``/``Drafter`` as docs/contract.md §5 describes;
 * :mod:`torch_bq.distributed.sharding` — the communication-free part: which slice a rank
   holds and how a slice that starts mid-block is re-expressed exactly.
 

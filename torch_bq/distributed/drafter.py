@@ -1,4 +1,4 @@
-"""Tensor-parallel DSpark drafter (SPEC.md §5, last paragraph).
+"""Tensor-parallel DSpark drafter (docs/contract.md §5, last paragraph).
 
 Rank ``r`` of ``P`` holds:
 
@@ -20,13 +20,13 @@ float32 order of those two sums (and of the gemms' own blocking).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import formats
 from ..nn.checkpoint import CheckpointError, Source, detect_linear, open_checkpoint
 from ..nn.drafter import _NORMS, Drafter, DrafterLayer, _check_format, _load_norm
 from ..nn.drafter_config import DrafterConfig
@@ -248,18 +248,13 @@ def _stack_rows(parts: list, name: str) -> nn.Module:
     """One module whose output is the concatenation of ``parts``' outputs (q | k | v shards).
 
     fp8 parts may carry different row blocks (each re-expressed for where its shard
-    starts); they are brought to their gcd, which divides every part's block and every
-    part's length but the last, so each fine block stays inside one block of its part.
+    starts) and scale dtypes; :func:`torch_bq.formats.join_rows` brings them to an exact
+    common block (and float32 scales where e8m0 and float32 meet).
     """
     if isinstance(parts[0], BF16Linear):
         return BF16Linear.from_quantized(torch.cat([p.weight for p in parts]), name=name)
-    if len({p.weight_scale.dtype for p in parts}) != 1:
-        raise CheckpointError(f"{name}: scale dtypes differ ({[p.weight_scale.dtype for p in parts]}); cannot fuse")
-    fine = math.gcd(*(p.block[0] for p in parts), *(p.out_features for p in parts[:-1]))
-    scales = []
-    for p in parts:
-        rows = -(-p.out_features // fine)
-        scales.append(p.weight_scale.repeat_interleave(p.block[0] // fine, dim=0)[:rows])
     first = parts[0]
-    return FP8Linear.from_quantized(torch.cat([p.weight for p in parts]), torch.cat(scales), block=(fine, first.block[1]),
-                                    act_quant=first.act_quant, act_peak=first.act_peak, name=name)
+    joined = formats.join_rows(first.format, [formats.RowPiece(p.weight, p.weight_scale, p.block) for p in parts],
+                               name=name)
+    return FP8Linear.from_quantized(joined.data, joined.scale, block=joined.block, act_quant=first.act_quant,
+                                    act_peak=first.act_peak, name=name)

@@ -10,9 +10,9 @@ With ``P`` ranks in ``group`` and rank ``r``:
   float32 partial sum over its columns, the partials are summed across ranks
   (all-reduce, or the seed's reduce-scatter to the row's owner ``row % P`` then
   all-gather), the bias is added in float32 and the result rounded once — the
-  SPEC.md §4 linear with its K sum taken in another order.
+  docs/contract.md §4 linear with its K sum taken in another order.
 
-Activation quantization with a K split (SPEC.md §3): a 1x32 qdq block cut by a
+Activation quantization with a K split (docs/contract.md §3): a 1x32 qdq block cut by a
 rank boundary must use the amax of the *whole* block. When any boundary falls
 inside a block, every rank computes its part of each block's amax and the
 maxima are exchanged with one all-reduce(MAX) of ``[M, ceil(K/32)]`` floats;
@@ -34,7 +34,7 @@ from torch import nn
 
 from .. import formats, ops
 from ..nn.checkpoint import CheckpointError, detect_linear, module_class_for, open_checkpoint
-from ..nn.linear import BF16Linear, FP4Linear, FP8Linear, _finish, _op_out_dtype
+from ..nn.linear import BF16Linear, FP4Linear, FP8Linear, NVFP4Linear, finish_output, op_out_dtype
 from .sharding import (
     RowShard,
     column_shard,
@@ -148,6 +148,9 @@ def _partial_linear(module: nn.Module, a: torch.Tensor) -> torch.Tensor:
     if isinstance(module, FP4Linear):
         return ops.fp4_linear(a, module.weight, module.weight_scale, None, act_quant=False,
                               act_peak=module.act_peak, out_dtype=torch.float32)
+    if isinstance(module, NVFP4Linear):
+        return ops.nvfp4_linear(a, module.weight, module.weight_scale, module.weight_scale_2, None, act_quant=False,
+                                act_peak=module.act_peak, out_dtype=torch.float32)
     op = ops.fp32w_linear if module.weight.dtype == torch.float32 else ops.bf16_linear
     return op(a, module.weight, None, out_dtype=torch.float32)
 
@@ -208,7 +211,7 @@ class RowParallelLinear(nn.Module):
         if self.lead:
             a = F.pad(a, (self.lead, 0))
         partial = _partial_linear(self.local, a)
-        out_dtype = _op_out_dtype(x)
+        out_dtype = op_out_dtype(x)
         if self.world_size == 1:
             y = self._finish_rows(partial, out_dtype)
         elif self.reduce == "all_reduce":
@@ -216,7 +219,7 @@ class RowParallelLinear(nn.Module):
             y = self._finish_rows(partial, out_dtype)
         else:
             y = self._scatter_gather(partial, out_dtype)
-        return _finish(y.reshape(*lead_shape, self.out_features), x)
+        return finish_output(y.reshape(*lead_shape, self.out_features), x)
 
     def _finish_rows(self, acc: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         if self.bias is not None:
@@ -227,7 +230,7 @@ class RowParallelLinear(nn.Module):
         p, (m, n) = self.world_size, partial.shape
         if m == 0:  # the same on every rank: nothing to exchange
             return self._finish_rows(partial, out_dtype)
-        per = -(-m // p)
+        per = formats.cdiv(m, p)
         # Row i goes to rank i % P: reorder [per * P, N] so rank r's rows are the r-th block.
         padded = F.pad(partial, (0, 0, 0, per * p - m))
         by_owner = padded.reshape(per, p, n).transpose(0, 1).reshape(p * per, n).contiguous()
@@ -245,7 +248,7 @@ class RowParallelLinear(nn.Module):
         blk = formats.QDQ_BLOCK
         b0 = self.k0 // blk
         mine = block_amax(a, self.k0)
-        amax = torch.zeros(a.shape[0], -(-self.in_features // blk), dtype=torch.float32, device=a.device)
+        amax = torch.zeros(a.shape[0], formats.cdiv(self.in_features, blk), dtype=torch.float32, device=a.device)
         amax[:, b0:b0 + mine.shape[1]] = mine
         if a.shape[0]:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
@@ -278,7 +281,7 @@ def block_amax(a: torch.Tensor, k0: int) -> torch.Tensor:
 
 
 def qdq_with_block_amax(a: torch.Tensor, k0: int, amax: torch.Tensor, peak: float) -> torch.Tensor:
-    """SPEC.md §3 qdq of columns ``[k0, k0 + w)`` of a row whose blocks' amax is ``amax``.
+    """docs/contract.md §3 qdq of columns ``[k0, k0 + w)`` of a row whose blocks' amax is ``amax``.
 
     Args:
         a: ``[M, w]`` the columns.

@@ -22,7 +22,12 @@ weight:
   keeps the whole first group and zeroes the weight of the columns before ``k0``
   (``lead = k0 % 32`` zero columns; its input is zero-padded by ``lead`` columns).
   Nibbles of a neighbour's columns inside a shared byte are zeroed as well.
+* **nvfp4 (1x16 e4m3, packed pairs, one per-tensor scale).** As fp4 with 16-column
+  groups; every shard keeps the layer's ``weight_scale_2``.
 * **bf16 / fp32w**: plain slices.
+
+Row ranges are joined by :func:`torch_bq.formats.join_rows`, the one place that knows
+how to re-block scale grids exactly.
 
 The same plans serve a full module in memory and a checkpoint, where only each
 tensor's covering slice is read (:func:`torch_bq.nn.checkpoint.read_linear`'s
@@ -31,6 +36,7 @@ tensor's covering slice is read (:func:`torch_bq.nn.checkpoint.read_linear`'s
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -39,8 +45,9 @@ import torch
 from torch import nn
 
 from .. import formats
+from ..formats import cdiv
 from ..nn.checkpoint import LinearLayout, read_linear
-from ..nn.linear import BF16Linear, FP4Linear, FP8Linear
+from ..nn.linear import BF16Linear, FP4Linear, FP8Linear, NVFP4Linear
 
 __all__ = [
     "LinearSpec",
@@ -65,9 +72,10 @@ class LinearSpec:
     """What a full linear layer is, as far as sharding needs to know.
 
     Attributes:
-        format: ``"fp8"``, ``"fp4"``, ``"bf16"`` or ``"fp32w"``.
+        format: a format name (:func:`torch_bq.formats.get_format`): ``"fp8"``, ``"fp4"``,
+            ``"nvfp4"``, ``"bf16"`` or ``"fp32w"``.
         out_features, in_features: ``N`` and ``K``.
-        block: the fp8 block ``(bn, bk)`` (``(1, 32)`` for fp4, ``None`` dense).
+        block: the scale block ``(bn, bk)`` (the format's fixed one for fp4/nvfp4, ``None`` dense).
         packed_groups: fp4 data stored as ``[N, K/32, 16]`` (gpt-oss) rather than ``[N, K/2]``.
         act_quant, act_peak: the layer's activation round trip.
     """
@@ -93,34 +101,42 @@ def split_range(size: int, rank: int, world_size: int) -> Range:
 
 
 def spec_of(linear: nn.Module) -> LinearSpec:
-    """The :class:`LinearSpec` of a :class:`FP8Linear`, :class:`FP4Linear` or :class:`BF16Linear`."""
+    """The :class:`LinearSpec` of an :class:`FP8Linear`, :class:`FP4Linear`, :class:`NVFP4Linear` or
+    :class:`BF16Linear`."""
     if isinstance(linear, FP8Linear):
-        return LinearSpec("fp8", linear.out_features, linear.in_features, linear.block,
+        return LinearSpec(linear.format.name, linear.out_features, linear.in_features, linear.block,
                           act_quant=linear.act_quant, act_peak=linear.act_peak)
-    if isinstance(linear, FP4Linear):
-        return LinearSpec("fp4", linear.out_features, linear.in_features, (1, formats.FP4_BLOCK),
+    if isinstance(linear, (FP4Linear, NVFP4Linear)):
+        return LinearSpec(linear.format.name, linear.out_features, linear.in_features, linear.format.default_block,
                           act_quant=linear.act_quant, act_peak=linear.act_peak)
     if isinstance(linear, BF16Linear):
-        fmt = "fp32w" if linear.weight.dtype == torch.float32 else "bf16"
-        return LinearSpec(fmt, linear.out_features, linear.in_features, None)
-    raise TypeError(f"linear: expected an FP8Linear, FP4Linear or BF16Linear, got {type(linear).__name__}")
-
-
-def _spec_of_layout(layout: LinearLayout, act_quant: Optional[bool], act_peak: Optional[float]) -> LinearSpec:
-    # Module defaults when the caller does not say (the same as FP8Linear/FP4Linear's).
-    quantized = layout.format in ("fp8", "fp4")
-    if not quantized and (act_quant or act_peak is not None):
-        raise TypeError(f"{layout.prefix}: act_quant/act_peak do not apply to a dense (BF16Linear) layer")
-    return LinearSpec(
-        layout.format, layout.out_features, layout.in_features, layout.block,
-        packed_groups=layout.layout == "gpt-oss",
-        act_quant=quantized if act_quant is None else bool(act_quant),
-        act_peak=formats.DEFAULT_ACT_PEAK if act_peak is None else float(act_peak),
+        return LinearSpec(linear.format.name, linear.out_features, linear.in_features, None)
+    raise TypeError(
+        f"linear: expected an FP8Linear, FP4Linear, NVFP4Linear or BF16Linear, got {type(linear).__name__}"
     )
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+#: the module of each quantized format family (their constructors' defaults apply to shards)
+_QUANTIZED_MODULES = {"fp8": FP8Linear, "fp4": FP4Linear, "nvfp4": NVFP4Linear}
+
+
+def _default_act_quant(family: str) -> bool:
+    return inspect.signature(_QUANTIZED_MODULES[family]).parameters["act_quant"].default
+
+
+def _spec_of_layout(layout: LinearLayout, act_quant: Optional[bool], act_peak: Optional[float]) -> LinearSpec:
+    # Module defaults when the caller does not say (those of FP8Linear/FP4Linear/NVFP4Linear).
+    fmt = formats.get_format(layout.format)
+    if not fmt.quantized and (act_quant or act_peak is not None):
+        raise TypeError(f"{layout.prefix}: act_quant/act_peak do not apply to a dense (BF16Linear) layer")
+    if act_quant is None:
+        act_quant = fmt.quantized and _default_act_quant(fmt.family)
+    return LinearSpec(
+        layout.format, layout.out_features, layout.in_features, layout.block,
+        packed_groups=layout.layout == "gpt-oss",
+        act_quant=bool(act_quant),
+        act_peak=formats.DEFAULT_ACT_PEAK if act_peak is None else float(act_peak),
+    )
 
 
 def _check_ranges(ranges: Sequence[Range], size: int, what: str) -> list[Range]:
@@ -147,11 +163,9 @@ def column_regions(spec: LinearSpec, ranges: Sequence[Range]) -> list[dict[str, 
     for a, b in _check_ranges(ranges, spec.out_features, "rows"):
         rows = (slice(a, b),)
         region = {"weight": rows, "bias": rows}
-        if spec.format == "fp8":
+        if spec.block is not None:  # the scale rows covering rows a .. b - 1
             bn = spec.block[0]
-            region["scale"] = (slice(a // bn, _ceil_div(b, bn)),)
-        elif spec.format == "fp4":
-            region["scale"] = rows
+            region["scale"] = (slice(a // bn, cdiv(b, bn)),)
         regions.append(region)
     return regions
 
@@ -160,44 +174,27 @@ def row_region(spec: LinearSpec, k0: int, k1: int) -> dict[str, tuple]:
     """The region of input columns ``[k0, k1)``; the bias is read whole (it is added once, after the sum)."""
     _check_ranges([(k0, k1)], spec.in_features, "columns")
     every = slice(None)
-    if spec.format == "fp8":
-        bk = spec.block[1]
-        return {"weight": (every, slice(k0, k1)), "scale": (every, slice(k0 // bk, _ceil_div(k1, bk)))}
-    if spec.format == "fp4":
-        g0, g1 = k0 // formats.FP4_BLOCK, _ceil_div(k1, formats.FP4_BLOCK)
-        if spec.packed_groups:  # [N, K/32, 16]: whole 16-byte groups
-            weight = (every, slice(g0, g1), every)
-        else:  # [N, K/2]: only the bytes holding columns k0 .. k1 - 1
-            weight = (every, slice(k0 // 2, _ceil_div(k1, 2)))
-        return {"weight": weight, "scale": (every, slice(g0, g1))}
-    return {"weight": (every, slice(k0, k1))}
+    if spec.block is None:
+        return {"weight": (every, slice(k0, k1))}
+    bk = spec.block[1]
+    g0, g1 = k0 // bk, cdiv(k1, bk)
+    per = formats.get_format(spec.format).element.per_item  # elements per stored item
+    if spec.packed_groups:  # gpt-oss [N, K/32, 16]: whole groups of bk / per bytes
+        weight = (every, slice(g0, g1), every)
+    else:  # only the items holding columns k0 .. k1 - 1
+        weight = (every, slice(k0 // per, cdiv(k1, per)))
+    return {"weight": weight, "scale": (every, slice(g0, g1))}
 
 
 def _first_byte(spec: LinearSpec, k0: int) -> int:
     """Global byte offset (within a row of packed fp4) where :func:`row_region`'s weight read starts."""
-    return 16 * (k0 // formats.FP4_BLOCK) if spec.packed_groups else k0 // 2
+    bk, per = spec.block[1], formats.get_format(spec.format).element.per_item
+    return (k0 // bk) * (bk // per) if spec.packed_groups else k0 // per
 
 
 # --------------------------------------------------------------------------- #
 # building shards from the covering tensors
 # --------------------------------------------------------------------------- #
-
-
-def _fine_scale(cover: torch.Tensor, dim: int, starts: Sequence[int], fine: int, coarse: int,
-                lengths: Sequence[int], cover_starts: Sequence[int]) -> torch.Tensor:
-    """Scales on ``fine``-element blocks along ``dim``, copied from the ``coarse`` blocks they lie in.
-
-    The shard is the concatenation of ranges ``[starts[i], starts[i] + lengths[i])``
-    of the full weight; ``cover`` holds, range after range, the coarse scales from
-    block ``starts[i] // coarse`` on (``cover_starts[i]`` is where range ``i``'s begin).
-    """
-    index = []
-    for start, length, c0 in zip(starts, lengths, cover_starts):
-        for off in range(0, length, fine):
-            index.append(c0 + (start + off) // coarse - start // coarse)
-    if fine == coarse and index == list(range(cover.shape[dim])):
-        return cover
-    return cover.index_select(dim, torch.tensor(index, dtype=torch.long, device=cover.device))
 
 
 def column_shard_from_tensors(spec: LinearSpec, ranges: Sequence[Range], pieces: Sequence[dict],
@@ -208,25 +205,35 @@ def column_shard_from_tensors(spec: LinearSpec, ranges: Sequence[Range], pieces:
     in storage dtypes (as :class:`~torch_bq.nn.LinearWeights` gives them).
     """
     ranges = _check_ranges(ranges, spec.out_features, "rows")
-    weight = torch.cat([p["weight"] for p in pieces], dim=0)
     biases = [p.get("bias") for p in pieces]
     bias = None if biases[0] is None else torch.cat(biases, dim=0)
-    if spec.format == "fp8":
-        bn, bk = spec.block
-        lengths = [b - a for a, b in ranges]
-        fine = math.gcd(bn, *(a for a, _ in ranges), *lengths[:-1])
-        covers = [p["scale"] for p in pieces]
-        cover_starts = [sum(c.shape[0] for c in covers[:i]) for i in range(len(covers))]
-        scale = _fine_scale(torch.cat(covers, dim=0), 0, [a for a, _ in ranges], fine, bn, lengths, cover_starts)
-        return FP8Linear.from_quantized(weight, scale, bias, block=(fine, bk), act_quant=spec.act_quant,
-                                        act_peak=spec.act_peak, name=name)
-    if spec.format == "fp4":
-        if spec.packed_groups:
-            weight = weight.reshape(weight.shape[0], -1)
-        scale = torch.cat([p["scale"] for p in pieces], dim=0)
-        return FP4Linear.from_quantized(weight, scale, bias, in_features=spec.in_features,
+    fmt = formats.get_format(spec.format)
+    # Each range is a piece starting (a % bn) rows into the first scale block it read;
+    # formats.join_rows re-blocks them exactly (module docstring).
+    bn = spec.block[0] if spec.block is not None else 1
+    joined = formats.join_rows(fmt, [
+        formats.RowPiece(_flat_rows(p["weight"], spec), p.get("scale"), spec.block, a % bn, p.get("scale_2"))
+        for (a, _), p in zip(ranges, pieces)
+    ], name=name)
+    if fmt.family == "fp8":
+        return FP8Linear.from_quantized(joined.data, joined.scale, bias, block=joined.block,
                                         act_quant=spec.act_quant, act_peak=spec.act_peak, name=name)
-    return BF16Linear.from_quantized(weight, bias, name=name)
+    if fmt.packed:
+        return _packed_module(fmt, joined.data, joined.scale, joined.tensor_scale, bias, spec.in_features, spec, name)
+    return BF16Linear.from_quantized(joined.data, bias, name=name)
+
+
+def _packed_module(fmt, data, scale, scale_2, bias, in_features: int, spec: LinearSpec, name: str) -> nn.Module:
+    """The FP4Linear / NVFP4Linear holding packed e2m1 ``data`` with ``in_features`` columns."""
+    options = dict(in_features=in_features, act_quant=spec.act_quant, act_peak=spec.act_peak, name=name)
+    if fmt.tensor_scale is not None:
+        return NVFP4Linear.from_quantized(data, scale, scale_2, bias, **options)
+    return FP4Linear.from_quantized(data, scale, bias, **options)
+
+
+def _flat_rows(weight: torch.Tensor, spec: LinearSpec) -> torch.Tensor:
+    """gpt-oss's ``[N, K/32, 16]`` packed groups as the ``[N, K/2]`` bytes they are."""
+    return weight.reshape(weight.shape[0], -1) if spec.packed_groups else weight
 
 
 @dataclass
@@ -252,20 +259,22 @@ def row_shard_from_tensors(spec: LinearSpec, k0: int, k1: int, piece: dict, name
     """The :class:`RowShard` of input columns ``[k0, k1)``, from the tensors :func:`row_region` covers."""
     _check_ranges([(k0, k1)], spec.in_features, "columns")
     weight, bias = piece["weight"], piece.get("bias")
-    if spec.format == "fp8":
+    fmt = formats.get_format(spec.format)
+    if fmt.family == "fp8":
         bn, bk = spec.block
         fine = math.gcd(bk, k0)
-        scale = _fine_scale(piece["scale"], 1, [k0], fine, bk, [k1 - k0], [0])
+        scale = formats.fine_scale(piece["scale"], 1, bk, fine, k0 % bk, k1 - k0)
         module = FP8Linear.from_quantized(weight, scale, None, block=(bn, fine), act_quant=spec.act_quant,
                                           act_peak=spec.act_peak, name=name)
         return RowShard(module, k0, k1, 0, bias)
-    if spec.format == "fp4":
-        group0 = k0 // formats.FP4_BLOCK * formats.FP4_BLOCK
+    if fmt.packed:  # e2m1 pairs with 1 x gk scale groups: fp4 (gk = 32), nvfp4 (gk = 16)
+        gk = fmt.default_block[1]
+        group0 = k0 // gk * gk
         lead, width = k0 - group0, k1 - group0
         data = formats.as_fp4_bytes(weight, name).reshape(weight.shape[0], -1)
-        nbytes = _ceil_div(width, 2)
+        nbytes = fmt.element.items(width)
         local = torch.zeros(data.shape[0], nbytes, dtype=torch.uint8, device=data.device)
-        at = _first_byte(spec, k0) - group0 // 2  # where the read bytes sit in the shard
+        at = _first_byte(spec, k0) - group0 // fmt.element.per_item  # where the read bytes sit in the shard
         take = min(data.shape[1], nbytes - at)
         local[:, at:at + take] = data[:, :take]
         # Columns of the rank before (< k0) and after (>= k1) that share a group or a byte get
@@ -276,8 +285,7 @@ def row_shard_from_tensors(spec: LinearSpec, k0: int, k1: int, piece: dict, name
             local[:, lead // 2] &= 0xF0
         if width % 2 and k1 < spec.in_features:
             local[:, -1] &= 0x0F
-        module = FP4Linear.from_quantized(local, piece["scale"], None, in_features=width,
-                                          act_quant=spec.act_quant, act_peak=spec.act_peak, name=name)
+        module = _packed_module(fmt, local, piece["scale"], piece.get("scale_2"), None, width, spec, name)
         return RowShard(module, k0, k1, lead, bias)
     return RowShard(BF16Linear.from_quantized(weight, None, name=name), k0, k1, 0, bias)
 
@@ -288,7 +296,8 @@ def row_shard_from_tensors(spec: LinearSpec, k0: int, k1: int, piece: dict, name
 
 
 def _module_piece(linear: nn.Module, region: dict[str, tuple]) -> dict[str, torch.Tensor]:
-    stored = {"weight": linear.weight, "scale": getattr(linear, "weight_scale", None), "bias": linear.bias}
+    stored = {"weight": linear.weight, "scale": getattr(linear, "weight_scale", None),
+              "scale_2": getattr(linear, "weight_scale_2", None), "bias": linear.bias}
     # Copies, not views: a view would keep the whole full-size weight alive in every shard.
     return {
         kind: (t if kind not in region else t[region[kind]]).clone(memory_format=torch.contiguous_format)

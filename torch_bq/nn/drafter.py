@@ -1,4 +1,4 @@
-"""The DSpark speculative-decoding drafter (SPEC.md §5): ``DrafterLayer`` and ``Drafter``.
+"""The DSpark speculative-decoding drafter (docs/contract.md §5): ``DrafterLayer`` and ``Drafter``.
 
 One step of one layer, rows ``h`` ``[R, H]`` (``R = requests * rows_per_request``)::
 
@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .. import ops
+from .. import formats, ops
 from ..reference.attention import check_paged_metadata
 from ..reference.transformer import apply_rope, clamped_swiglu, rope_cos_sin
 from .checkpoint import CheckpointError, MissingTensorError, Source, build_module, open_checkpoint, resolve_linear
@@ -56,7 +56,7 @@ def _linear(config: DrafterConfig, in_features: int, out_features: int, device) 
 
 
 def _bf16_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The residual add of SPEC.md §5: float32 sum, one rounding to bf16."""
+    """The residual add of docs/contract.md §5: float32 sum, one rounding to bf16."""
     return (a.to(torch.float32) + b.to(torch.float32)).to(torch.bfloat16)
 
 
@@ -137,7 +137,7 @@ def _validating(flag: bool) -> bool:
 
 
 class DrafterLayer(nn.Module):
-    """One DSpark drafter layer (SPEC.md §5) on torch_bq linears.
+    """One DSpark drafter layer (docs/contract.md §5) on torch_bq linears.
 
     Args:
         config: the layer's shape and weight format.
@@ -310,7 +310,8 @@ class Drafter(nn.Module):
         bf16), the norms' ``{prefix}layers.{i}.{input_layernorm,q_norm,k_norm,
         post_attention_layernorm}.weight`` and ``{prefix}norm.weight``. Instead of a fused
         ``qkv_proj``, separate ``q_proj``/``k_proj``/``v_proj`` are accepted and fused
-        (their fp8 scale blocks must not straddle the seams).
+        exactly (:func:`torch_bq.formats.join_rows`: when a part's rows are not a multiple of
+        its scale block, the fused weight uses a finer row block).
 
         Args:
             source: ``.safetensors`` file, directory, mapping of tensors or reader.
@@ -390,21 +391,17 @@ def _load_fused_qkv(reader, base: str, config: DrafterConfig, device) -> nn.Modu
         raise CheckpointError(
             f"{base}q_proj/k_proj/v_proj: in_features differ ({[w.in_features for w in parts]}); cannot fuse"
         )
-    weight = torch.cat([w.weight for w in parts], dim=0)
     if config.weight_format == "bf16":
+        weight = torch.cat([w.weight for w in parts], dim=0)
         return BF16Linear.from_quantized(weight.to(torch.bfloat16), name=f"{base}qkv_proj.weight").to(device)
-    bn = config.fp8_block[0]
-    for p, w in zip("qkv", parts):
-        if w.out_features % bn:
-            raise CheckpointError(
-                f"{base}{p}_proj.weight: {w.out_features} rows is not a multiple of the scale block's {bn}, "
-                "so its last scale block would straddle the fused qkv weight; fusing would change the weight"
-            )
-    if len({w.scale.dtype for w in parts}) != 1:
-        raise CheckpointError(f"{base}q_proj/k_proj/v_proj: scale dtypes differ ({[w.scale.dtype for w in parts]})")
-    scale = torch.cat([w.scale for w in parts], dim=0)
+    # A part whose rows are not a multiple of the scale block puts the next part's blocks at
+    # unaligned rows; join_rows re-blocks to a finer row block on which the fusion is exact
+    # (and mixed e8m0 / float32 scales become float32, also exactly).
+    fmt = formats.get_format(parts[0].format)
+    joined = formats.join_rows(fmt, [formats.RowPiece(w.weight, w.scale, w.block) for w in parts],
+                               name=f"{base}qkv_proj.weight")
     module = FP8Linear.from_quantized(
-        weight, scale, block=config.fp8_block, act_quant=config.act_quant, act_peak=config.act_peak,
+        joined.data, joined.scale, block=joined.block, act_quant=config.act_quant, act_peak=config.act_peak,
         name=f"{base}qkv_proj.weight",
     )
     return module.to(device)

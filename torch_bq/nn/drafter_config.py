@@ -1,4 +1,4 @@
-"""``DrafterConfig``: the shape and format of the DSpark drafter (SPEC.md §5)."""
+"""``DrafterConfig``: the shape and format of the DSpark drafter (docs/contract.md §5)."""
 
 from dataclasses import dataclass
 
@@ -6,15 +6,16 @@ from .. import formats
 
 __all__ = ["DrafterConfig", "WEIGHT_FORMATS"]
 
-# weight_format -> fp8 block (bn, bk); "bf16" has no block and never quantizes activations.
-WEIGHT_FORMATS = {"fp8": (32, 32), "mxfp8": (1, 32), "bf16": None}
+# weight_format -> fp8 block (bn, bk), from the format descriptors; "bf16" has no block and
+# never quantizes activations.
+WEIGHT_FORMATS = {name: formats.get_format(name).default_block for name in ("fp8", "mxfp8", "bf16")}
 
 
 @dataclass(frozen=True)
 class DrafterConfig:
     """Configuration of :class:`torch_bq.nn.Drafter` / :class:`torch_bq.nn.DrafterLayer`.
 
-    The defaults are the full-size MiniMax-M3.1 DSpark drafter of SPEC.md §5.
+    The defaults are the full-size MiniMax-M3.1 DSpark drafter of docs/contract.md §5.
 
     Attributes:
         hidden_size: ``H``, width of the residual stream.
@@ -32,7 +33,7 @@ class DrafterConfig:
         causal: if true, a row also cannot see later rows of its own request.
         weight_format: ``"fp8"`` (32x32 e8m0 blocks), ``"mxfp8"`` (1x32 e8m0 blocks)
             or ``"bf16"`` (bf16 weights, activations never quantized).
-        act_quant: fp8 activation round trip (SPEC.md §3) before each fp8 linear;
+        act_quant: fp8 activation round trip (docs/contract.md §3) before each fp8 linear;
             ignored for ``"bf16"``.
         act_peak: the round trip's peak (224 matches Trainium2).
     """

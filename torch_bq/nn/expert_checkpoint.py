@@ -20,6 +20,10 @@ experts of a layer live and how to stack them.
 
 gpt-oss's gate/up rows stay interleaved as stored; DeepSeek's ``w1`` and ``w3``
 are stacked as ``gate_up_proj`` rows ``[w1; w3]``, ``w2`` becomes ``down_proj``.
+The stacking is exact for any fp8 blocks (:func:`torch_bq.formats.join_rows`): when
+``w1``'s rows are not a multiple of its scale block, or the projections' blocks
+differ, every projection is re-expressed on the finest common block (``gcd``), on
+which each scale is a copy of the one it came from.
 Experts are copied one at a time into preallocated stacked tensors, so loading
 holds the layer's quantized bytes plus one expert's.
 """
@@ -27,11 +31,13 @@ holds the layer's quantized bytes plus one expert's.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Optional, Sequence
 
 import torch
 
+from .. import formats
 from .checkpoint import (
     CheckpointError,
     LinearLayout,
@@ -76,8 +82,9 @@ class _Stack:
         stacked[e] = value
 
 
-def _check_same_layer(first: LinearLayout, other: LinearLayout, what: str) -> None:
-    for field in ("format", "layout", "out_features", "in_features", "block"):
+def _check_same_layer(first: LinearLayout, other: LinearLayout, what: str,
+                      fields=("format", "layout", "out_features", "in_features", "block")) -> None:
+    for field in fields:
         a, b = getattr(first, field), getattr(other, field)
         if a != b:
             raise CheckpointError(f"{what}: {field} is {b!r} but expert 0 has {a!r}; every expert must be stored alike")
@@ -152,34 +159,46 @@ def _load_deepseek(reader, cls, prefix: str, *, block, num_experts, projections)
             layouts[role] = layout
         if e == 0:
             gate, up = layouts["gate"], layouts["up"]
-            _check_same_layer(gate, up, up.weight_name)
-            bn = gate.block[0]
-            if gate.out_features % bn:
-                raise CheckpointError(
-                    f"{gate.scale_name}: scale blocks of {bn} rows do not divide the {gate.out_features} rows of "
-                    f"{gate_name}, so {gate_name} and {up_name} cannot share one fused gate_up_proj"
-                )
+            # gate and up are one fused layer; their blocks may differ (join_rows re-blocks)
+            _check_same_layer(gate, up, up.weight_name, ("format", "layout", "out_features", "in_features"))
+            module_block = _common_block(fmt, gate, up, layouts["down"])
         weights = {role: read_linear(reader, layout) for role, layout in layouts.items()}
-        # gate_up_proj rows are [w1; w3]: the scale grid rows concatenate the same way
-        # because bn divides I (checked above).
+        # gate_up_proj rows are [w1; w3], every projection on the one block of the module.
+        pieces = [formats.RowPiece(weights[r].weight, weights[r].scale, weights[r].block) for r in ("gate", "up")]
+        fused = formats.join_rows(fmt, pieces, row_block=module_block and module_block[0],
+                                  col_block=module_block and module_block[1], name=f"{prefix}.{e}.{gate_name}/{up_name}")
         gate_up = LinearWeights(
-            layouts["gate"],
-            torch.cat((weights["gate"].weight, weights["up"].weight)),
-            torch.cat((weights["gate"].scale, weights["up"].scale)),
+            dataclasses.replace(layouts["gate"], block=fused.block), fused.data, fused.scale,
             _cat_optional(weights["gate"].bias, weights["up"].bias, layouts["gate"].prefix),
         )
+        down = weights["down"]
+        if module_block is not None:
+            reblocked = formats.join_rows(fmt, [formats.RowPiece(down.weight, down.scale, down.block)],
+                                          row_block=module_block[0], col_block=module_block[1],
+                                          name=layouts["down"].weight_name)
+            down = LinearWeights(dataclasses.replace(down.layout, block=reblocked.block), reblocked.data,
+                                 reblocked.scale, down.bias)
         _put_weights(stack, "gate_up_proj", e, gate_up, f"{prefix}.{e}.{gate_name}/{up_name}")
-        _put_weights(stack, "down_proj", e, weights["down"], layouts["down"].weight_name)
+        _put_weights(stack, "down_proj", e, down, layouts["down"].weight_name)
     gate, down = first["gate"], first["down"]
-    fused = dataclasses.replace(gate, out_features=2 * gate.out_features)
-    sizes = _sizes(prefix, fused, down, num_experts, num_experts)
-    options = {"block": gate.block} if fmt == "fp8" else {}
-    if fmt == "fp8" and down.block != gate.block:
-        raise CheckpointError(
-            f"{down.scale_name}: block {down.block} differs from {gate.scale_name}'s {gate.block}; "
-            f"FP8Experts needs one block for every expert weight"
-        )
+    fused_layout = dataclasses.replace(gate, out_features=2 * gate.out_features)
+    sizes = _sizes(prefix, fused_layout, down, num_experts, num_experts)
+    options = {} if module_block is None else {"block": module_block}
     return stack, sizes, options
+
+
+def _common_block(fmt: str, gate: LinearLayout, up: LinearLayout, down: LinearLayout) -> Optional[tuple[int, int]]:
+    """The one block of the module: the finest that holds [w1; w3] and w2 exactly (``None`` when the
+    format's block is fixed, as MXFP4's 1x32: plain concatenation is exact then).
+
+    Rows: w3 starts at row I of gate_up, so the block must divide I besides every
+    projection's own row block; columns: every projection's column block.
+    """
+    if formats.get_format(fmt).block_fixed:
+        return None
+    rows = math.gcd(gate.block[0], up.block[0], down.block[0], gate.out_features)
+    cols = math.gcd(gate.block[1], up.block[1], down.block[1])
+    return rows, cols
 
 
 def _cat_optional(a, b, what) -> Optional[torch.Tensor]:

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import formats, ops
-from .linear import _QuantizedLinear
-from .validation import scan_nan_codes
+from ..checkpoint.scan import scan_nan_codes
+from .linear import _QuantizedLinear, _RecordsBlock
 
 __all__ = ["FP4Experts", "FP8Experts", "ACTIVATIONS", "GPT_OSS_ALPHA", "GPT_OSS_LIMIT"]
 
@@ -300,12 +300,13 @@ class FP4Experts(_Experts):
         intermediate_size: ``I``.
         bias: hold per-expert biases (gpt-oss has them; DeepSeek does not).
         activation: ``"gpt-oss"`` (clamped SwiGLU, interleaved rows; default) or ``"swiglu"``.
-        act_quant, act_peak: activation qdq of both linears (SPEC.md §3).
+        act_quant, act_peak: activation qdq of both linears (docs/contract.md §3).
         device: where to allocate (``"meta"`` allocates nothing).
         dtype: dtype of the biases.
     """
 
-    format_name = "fp4"
+    format = formats.FP4
+    format_name = format.name
 
     def __init__(
         self,
@@ -324,15 +325,16 @@ class FP4Experts(_Experts):
                          device, dtype)
 
     def _empty_weight(self, n, k, device):
-        e = self.num_experts
-        data = torch.zeros(e, n, -(-k // 2), dtype=torch.uint8, device=device)
-        code = torch.full((e, n, -(-k // formats.FP4_BLOCK)), formats.E8M0_BIAS, dtype=torch.uint8, device=device)
-        return data, code.view(torch.float8_e8m0fnu)
+        fmt, e = self.format, self.num_experts
+        data = torch.zeros(e, *fmt.data_shape(n, k), dtype=fmt.element.dtype, device=device)
+        code = torch.full((e, *fmt.scale_shape(n, k)), formats.E8M0_BIAS, dtype=torch.uint8, device=device)
+        return data, code.view(fmt.scales[0].dtype)
 
     def _normalize_weight(self, data, scale, name):
-        data = formats.as_fp4_bytes(data, name)
-        scale = formats.as_e8m0_codes(scale, f"{name}_scale").view(torch.float8_e8m0fnu)
-        return data, scale
+        fmt = self.format
+        fmt.check_data_dtype(data, name)
+        fmt.scale_encoding(scale, f"{name}_scale")
+        return data.view(fmt.element.dtype), scale.view(fmt.scales[0].dtype)
 
     def _grouped_linear(self, rows, weight, scale, offsets, bias) -> torch.Tensor:
         return ops.fp4_grouped_linear(rows, weight, scale, offsets, bias, act_quant=self.act_quant,
@@ -410,7 +412,7 @@ class FP4Experts(_Experts):
         return load_experts(cls, source, prefix, layout=layout, device=device, **options)
 
 
-class FP8Experts(_Experts):
+class FP8Experts(_RecordsBlock, _Experts):
     """Experts with block-scaled fp8 weights.
 
     State as :class:`FP4Experts` with ``gate_up_proj`` ``float8_e4m3fn [E, 2I, H]``,
@@ -428,7 +430,8 @@ class FP8Experts(_Experts):
         scale_dtype: ``torch.float8_e8m0fnu`` (default) or ``torch.float32``.
     """
 
-    format_name = "fp8"
+    format = formats.FP8
+    format_name = format.name
 
     def __init__(
         self,
@@ -438,47 +441,41 @@ class FP8Experts(_Experts):
         bias: bool = False,
         *,
         activation: str = "swiglu",
-        block: Sequence[int] = (32, 32),
+        block: Sequence[int] = formats.FP8.default_block,
         scale_dtype: torch.dtype = torch.float8_e8m0fnu,
         act_quant: bool = True,
         act_peak: float = formats.DEFAULT_ACT_PEAK,
         device=None,
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
-        if scale_dtype == torch.uint8:
-            scale_dtype = torch.float8_e8m0fnu  # the same bytes
-        if scale_dtype not in (torch.float8_e8m0fnu, torch.float32):
-            raise TypeError(f"scale_dtype: expected torch.float8_e8m0fnu or torch.float32, got {scale_dtype}")
-        self.block: Tuple[int, int] = formats._check_block(block)
+        scale_dtype = formats.FP8.scale_encoding(scale_dtype, "scale_dtype").dtype  # uint8 -> e8m0
+        self.block: Tuple[int, int] = formats.FP8.resolve_block(block)
         self.scale_dtype = scale_dtype
         super().__init__(num_experts, hidden_size, intermediate_size, bias, activation, act_quant, act_peak,
                          device, dtype)
 
     def _empty_weight(self, n, k, device):
         e = self.num_experts
-        data = torch.zeros(e, n, k, dtype=torch.float8_e4m3fn, device=device)
-        grid = formats.fp8_scale_shape((n, k), self.block)
+        data = torch.zeros(e, n, k, dtype=self.format.element.dtype, device=device)
+        grid = self.format.scale_shape(n, k, self.block)
         if self.scale_dtype == torch.float32:
             return data, torch.ones(e, *grid, dtype=torch.float32, device=device)
         code = torch.full((e, *grid), formats.E8M0_BIAS, dtype=torch.uint8, device=device)
         return data, code.view(torch.float8_e8m0fnu)
 
     def _normalize_weight(self, data, scale, name):
-        data = formats.as_fp8_bytes(data, name).view(torch.float8_e4m3fn)
-        if self.scale_dtype == torch.float32:
-            if scale.dtype != torch.float32:
-                raise TypeError(f"{name}_scale: expected dtype torch.float32 (scale_dtype), got {scale.dtype}")
-        else:
-            scale = formats.as_e8m0_codes(scale, f"{name}_scale").view(torch.float8_e8m0fnu)
-        return data, scale
+        fmt = self.format
+        fmt.check_data_dtype(data, name)
+        if fmt.scale_encoding(scale, f"{name}_scale").dtype != self.scale_dtype:
+            raise TypeError(f"{name}_scale: expected dtype {self.scale_dtype} (scale_dtype), got {scale.dtype}")
+        return data.view(fmt.element.dtype), scale.view(self.scale_dtype)
 
     def _grouped_linear(self, rows, weight, scale, offsets, bias) -> torch.Tensor:
         return ops.fp8_grouped_linear(rows, weight, scale, offsets, bias, block=self.block,
                                       act_quant=self.act_quant, act_peak=self.act_peak, out_dtype=torch.float32)
 
     def _format_repr(self) -> str:
-        scale = "e8m0" if self.scale_dtype == torch.float8_e8m0fnu else "f32"
-        return f"fp8, block={self.block}, scale={scale}"
+        return self.format.describe(self.block, self.format.scale_encoding(self.scale_dtype)).removeprefix("format=")
 
     @classmethod
     def from_quantized(
@@ -490,7 +487,7 @@ class FP8Experts(_Experts):
         gate_up_proj_bias: Optional[torch.Tensor] = None,
         down_proj_bias: Optional[torch.Tensor] = None,
         *,
-        block: Sequence[int] = (32, 32),
+        block: Sequence[int] = formats.FP8.default_block,
         name: str = "experts",
         **options,
     ) -> "FP8Experts":
@@ -507,7 +504,7 @@ class FP8Experts(_Experts):
         """
         _check_stacked(gate_up_proj, down_proj)
         sizes = (gate_up_proj.shape[0], gate_up_proj.shape[2], down_proj.shape[2])
-        scale_dtype = torch.float32 if gate_up_proj_scale.dtype == torch.float32 else torch.float8_e8m0fnu
+        scale_dtype = formats.FP8.scale_encoding(gate_up_proj_scale, "gate_up_proj_scale").dtype
         tensors = dict(gate_up_proj=gate_up_proj, gate_up_proj_scale=gate_up_proj_scale, down_proj=down_proj,
                        down_proj_scale=down_proj_scale, gate_up_proj_bias=gate_up_proj_bias,
                        down_proj_bias=down_proj_bias)
@@ -522,7 +519,7 @@ class FP8Experts(_Experts):
         gate_up_proj_bias: Optional[torch.Tensor] = None,
         down_proj_bias: Optional[torch.Tensor] = None,
         *,
-        block: Sequence[int] = (32, 32),
+        block: Sequence[int] = formats.FP8.default_block,
         scale_dtype: torch.dtype = torch.float8_e8m0fnu,
         **options,
     ) -> "FP8Experts":

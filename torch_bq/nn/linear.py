@@ -1,6 +1,6 @@
-"""Drop-in linear modules on block-quantized weights: ``FP8Linear``, ``FP4Linear``, ``BF16Linear``.
+"""Drop-in linear modules on block-quantized weights: ``FP8Linear``, ``FP4Linear``, ``NVFP4Linear``, ``BF16Linear``.
 
-Each module holds its weight exactly as the formats of SPEC.md §1 store it and
+Each module holds its weight exactly as the formats of docs/contract.md §1 store it and
 calls one ``torch_bq::`` op in ``forward``; nothing is dequantized up front.
 
 State (names as in ``state_dict``):
@@ -11,10 +11,20 @@ module         ``weight``                           ``weight_scale`` (always mul
 FP8Linear      ``float8_e4m3fn [N, K]``             e8m0 ``float8_e8m0fnu`` or ``float32``
                                                     ``[ceil(N/bn), ceil(K/bk)]``
 FP4Linear      ``uint8 [N, ceil(K/2)]`` (packed)    ``float8_e8m0fnu [N, ceil(K/32)]``
+NVFP4Linear    ``uint8 [N, ceil(K/2)]`` (packed)    ``float8_e4m3fn [N, ceil(K/16)]`` and
+                                                    ``weight_scale_2`` ``float32`` scalar
 BF16Linear     ``bfloat16`` or ``float32 [N, K]``   (none)
 =============  ===================================  ======================================
 
-plus an optional ``bias [N]``.
+plus an optional ``bias [N]``, and for ``FP8Linear`` the block ``[bn, bk]`` as the
+module's ``_extra_state`` (an ``int64`` tensor), so that a state dict recorded with
+one block never loads into a module with another. The shapes, dtypes and block
+rules come from each format's descriptor (:mod:`torch_bq.formats.descriptor`).
+
+The bias dtype defaults to ``torch.get_default_dtype()`` (float32), as in
+``nn.Linear``, so a module built by the constructor and one built by
+``from_linear`` hold the same bias; loading a bias whose values the module's bias
+dtype cannot hold exactly is refused (use ``assign=True`` to take its dtype).
 
 Why buffers and not frozen ``Parameter``s: a float8/uint8 tensor can never
 require grad, so as a ``Parameter`` it would only mislead optimizers, PEFT and
@@ -39,9 +49,20 @@ import torch
 from torch import nn
 
 from .. import formats, ops
-from .validation import scan_nan_codes
+from ..checkpoint import CheckpointError, LinearLayout, LinearWeights, Source, detect_linear, open_checkpoint, read_linear
+from ..checkpoint.scan import scan_nan_codes
 
-__all__ = ["FP8Linear", "FP4Linear", "BF16Linear"]
+__all__ = [
+    "FP8Linear",
+    "FP4Linear",
+    "NVFP4Linear",
+    "BF16Linear",
+    "FORMAT_CLASSES",
+    "module_class_for",
+    "check_module_class",
+    "build_module",
+    "load_linear",
+]
 
 _OP_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -49,12 +70,13 @@ _OP_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _op_out_dtype(x: torch.Tensor) -> torch.dtype:
+def op_out_dtype(x: torch.Tensor) -> torch.dtype:
     """The op's ``out_dtype`` for input ``x``: the input dtype where the op can emit it."""
     return x.dtype if x.dtype in _OP_OUT_DTYPES else torch.float32
 
 
-def _finish(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def finish_output(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The op's output ``y`` in the input's dtype (a module's output follows its input)."""
     # float64 inputs (gradcheck, numerics tests) come back as float64; the op
     # itself computes in float32 and rounds once, so this cast adds nothing.
     return y if y.dtype == x.dtype else y.to(x.dtype)
@@ -62,12 +84,29 @@ def _finish(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _check_features(in_features: int, out_features: int) -> None:
     for name, value in (("in_features", in_features), ("out_features", out_features)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        # 0 is allowed, as for nn.Linear: K = 0 gives the bias (or zeros), N = 0 an empty output
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
 
 
 def _bias_buffer(bias: bool, out_features: int, device, dtype) -> Optional[torch.Tensor]:
+    # nn.Linear's default: the bias of from_linear(nn.Linear(...)) has this dtype too.
+    dtype = torch.get_default_dtype() if dtype is None else dtype
     return torch.zeros(out_features, device=device, dtype=dtype) if bias else None
+
+
+def _check_bias_exact(incoming: torch.Tensor, current: torch.Tensor) -> None:
+    """Refuse to copy a bias into a dtype that would round it (``load_state_dict`` copies in place)."""
+    if incoming.dtype == current.dtype or incoming.is_meta:
+        return
+    back = incoming.to(current.dtype).to(incoming.dtype)
+    same = (back == incoming) | (torch.isnan(back) & torch.isnan(incoming))
+    if not bool(same.all()):
+        raise TypeError(
+            f"bias: this module stores a {current.dtype} bias but the state dict holds {incoming.dtype} values "
+            f"that {current.dtype} cannot hold exactly; build the module with dtype={incoming.dtype} or load "
+            f"with assign=True"
+        )
 
 
 class _QuantizedLinear(nn.Module):
@@ -79,6 +118,8 @@ class _QuantizedLinear(nn.Module):
     _stored = ("weight", "weight_scale")
     #: checkpoint names accepted by ``load_state_dict`` for each buffer
     _aliases: Mapping[str, Sequence[str]] = {}
+    #: the weight format (a :class:`torch_bq.formats.WeightFormat`)
+    format: formats.WeightFormat
 
     # -- dtype-cast shielding -------------------------------------------------
 
@@ -107,6 +148,7 @@ class _QuantizedLinear(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         assign = bool(local_metadata.get("assign_to_params_buffers", False))
         try:
+            self._check_recorded_block(state_dict, prefix)
             for canonical, aliases in self._aliases.items():
                 present = [a for a in aliases if prefix + a in state_dict]
                 if not present:
@@ -121,6 +163,8 @@ class _QuantizedLinear(nn.Module):
                     incoming[name] = self._normalize(name, state_dict[prefix + name])
                     state_dict[prefix + name] = incoming[name]
             self._validate_loaded(incoming, assign)
+            if "bias" in incoming and self._buffers.get("bias") is not None and not assign:
+                _check_bias_exact(incoming["bias"], self._buffers["bias"])
         except (ValueError, TypeError) as e:
             # Nothing of this module is assigned when its state is invalid; messages
             # start with the local tensor name, so the prefix makes them global.
@@ -129,6 +173,31 @@ class _QuantizedLinear(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+
+    # -- the block as extra state (modules with a free block: see _RecordsBlock) --
+
+    #: whether the block is part of the state dict (formats whose block is not fixed)
+    _records_block = False
+
+    def _check_recorded_block(self, state_dict, prefix: str) -> None:
+        key = prefix + "_extra_state"
+        if not self._records_block:
+            return
+        if key not in state_dict:
+            # A state dict that does not record a block (an older file, another library's
+            # checkpoint): shapes are all there is to check, as before.
+            state_dict[key] = self.get_extra_state()
+            return
+        recorded = state_dict[key]
+        if not isinstance(recorded, torch.Tensor) or recorded.dtype.is_floating_point or recorded.numel() != 2:
+            raise TypeError(f"_extra_state: expected the block as two ints [bn, bk], got {recorded!r}")
+        block = tuple(int(v) for v in recorded.reshape(-1).tolist())
+        if block != tuple(self.block):
+            raise ValueError(
+                f"_extra_state: the state dict was saved with block {block} but this module has block "
+                f"{tuple(self.block)}; its scales would be applied to the wrong elements. Build the module "
+                f"with block={block}"
+            )
 
     def _check_scale_dtype_change(self, incoming: dict[str, torch.Tensor], assign: bool) -> None:
         new = incoming.get("weight_scale")
@@ -155,6 +224,26 @@ class _QuantizedLinear(nn.Module):
         return f"bias={self.bias is not None}"
 
 
+class _RecordsBlock:
+    """Mixin: the module's ``block`` is saved in its state dict as ``_extra_state`` (``int64 [bn, bk]``).
+
+    ``load_state_dict`` compares it with the module's block before anything is
+    assigned (:meth:`_QuantizedLinear._check_recorded_block`): scales of one block
+    shape applied on another decode a different weight, silently, whenever the
+    scale grids happen to have the same shape (``(96, 96)`` and ``(64, 64)`` on a
+    128 x 128 weight both give 2 x 2).
+    """
+
+    _records_block = True
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.tensor(self.block, dtype=torch.int64)
+
+    def set_extra_state(self, state) -> None:
+        # Already compared with self.block before any tensor was assigned.
+        pass
+
+
 def _check_linear(linear: nn.Module) -> None:
     if not isinstance(linear, nn.Linear):
         raise TypeError(f"linear: expected a torch.nn.Linear, got {type(linear).__name__}")
@@ -171,8 +260,8 @@ def _act_repr(act_quant: bool, act_peak: float) -> str:
 # =========================================================================== #
 
 
-class FP8Linear(_QuantizedLinear):
-    """``nn.Linear`` with a block-scaled fp8 e4m3 weight (SPEC.md §1, §4).
+class FP8Linear(_RecordsBlock, _QuantizedLinear):
+    """``nn.Linear`` with a block-scaled fp8 e4m3 weight (docs/contract.md §1, §4).
 
     ``forward(x)``: ``x`` ``[..., K]`` any float dtype -> ``[..., N]`` of ``x.dtype``,
     computed by :func:`torch_bq.ops.fp8_linear` (activations round-tripped through
@@ -183,20 +272,21 @@ class FP8Linear(_QuantizedLinear):
         out_features: ``N``.
         bias: whether the module holds a ``bias [N]`` (of ``dtype``).
         block: scale block ``(bn, bk)``: ``(32, 32)`` (default), ``(128, 128)`` (DeepSeek-V3),
-            ``(1, 32)`` (MXFP8) or any other.
+            ``(1, 32)`` (MXFP8) or any other. Recorded in the state dict (``_extra_state``).
         scale_dtype: ``torch.float8_e8m0fnu`` (power-of-two codes) or ``torch.float32``
             (DeepSeek-V3's ``weight_scale_inv``, multiplied despite the name).
         act_quant: quantize activations to fp8 before the matmul.
         act_peak: the activation qdq peak (224 default: Trainium2's fp8; up to 448).
         device: where to allocate; ``"meta"`` allocates nothing.
-        dtype: dtype of ``bias``.
+        dtype: dtype of ``bias`` (default ``torch.get_default_dtype()``, as ``nn.Linear``).
 
     A freshly built module holds a zero weight with unit scales; fill it with
     :meth:`from_linear`, :meth:`from_quantized`, :meth:`from_checkpoint` or
     ``load_state_dict``.
     """
 
-    _aliases = {"weight_scale": ("weight_scale_inv", "scale")}
+    format = formats.FP8
+    _aliases = {"weight_scale": tuple(s.lstrip(".") for s in formats.FP8.suffixes.scale[1:])}
 
     def __init__(
         self,
@@ -204,32 +294,24 @@ class FP8Linear(_QuantizedLinear):
         out_features: int,
         bias: bool = False,
         *,
-        block: Sequence[int] = (32, 32),
+        block: Sequence[int] = formats.FP8.default_block,
         scale_dtype: torch.dtype = torch.float8_e8m0fnu,
         act_quant: bool = True,
         act_peak: float = formats.DEFAULT_ACT_PEAK,
         device=None,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
         _check_features(in_features, out_features)
-        if scale_dtype == torch.uint8:
-            scale_dtype = torch.float8_e8m0fnu  # the same bytes
-        if scale_dtype not in (torch.float8_e8m0fnu, torch.float32):
-            raise TypeError(f"scale_dtype: expected torch.float8_e8m0fnu or torch.float32, got {scale_dtype}")
+        scale_dtype = formats.FP8.scale_encoding(scale_dtype, "scale_dtype").dtype  # uint8 -> e8m0
         formats.check_peak(act_peak)
         self.in_features = in_features
         self.out_features = out_features
-        self.block = formats._check_block(block)
+        self.block = formats.FP8.resolve_block(block)
         self.act_quant = bool(act_quant)
         self.act_peak = float(act_peak)
-        scale_shape = formats.fp8_scale_shape((out_features, in_features), self.block)
         weight = torch.zeros(out_features, in_features, device=device, dtype=torch.float8_e4m3fn)
-        if scale_dtype == torch.float32:
-            scale = torch.ones(scale_shape, device=device, dtype=torch.float32)
-        else:
-            code = torch.full(scale_shape, formats.E8M0_BIAS, device=device, dtype=torch.uint8)
-            scale = code.view(torch.float8_e8m0fnu)
+        scale = _unit_scale(formats.FP8.scale_shape(out_features, in_features, self.block), scale_dtype, device)
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", _bias_buffer(bias, out_features, device, dtype))
@@ -247,15 +329,15 @@ class FP8Linear(_QuantizedLinear):
             block=self.block,
             act_quant=self.act_quant,
             act_peak=self.act_peak,
-            out_dtype=_op_out_dtype(x),
+            out_dtype=op_out_dtype(x),
         )
-        return _finish(y, x)
+        return finish_output(y, x)
 
     def extra_repr(self) -> str:
-        scale = "e8m0" if self.weight_scale.dtype == torch.float8_e8m0fnu else "f32"
+        spec = self.format.describe(self.block, self.format.scale_encoding(self.weight_scale))
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, {self._bias_repr()}, "
-            f"format=fp8, block={self.block}, scale={scale}, {_act_repr(self.act_quant, self.act_peak)}"
+            f"{spec}, {_act_repr(self.act_quant, self.act_peak)}"
         )
 
     # -- construction ------------------------------------------------------------
@@ -267,10 +349,11 @@ class FP8Linear(_QuantizedLinear):
         weight_scale: torch.Tensor,
         bias: Optional[torch.Tensor] = None,
         *,
-        block: Sequence[int] = (32, 32),
+        block: Sequence[int] = formats.FP8.default_block,
         act_quant: bool = True,
         act_peak: float = formats.DEFAULT_ACT_PEAK,
         name: str = "weight",
+        scan_codes: bool = True,
     ) -> "FP8Linear":
         """Wrap existing fp8 storage (no copy) after checking dtypes, shapes and NaN codes.
 
@@ -281,34 +364,51 @@ class FP8Linear(_QuantizedLinear):
             bias: ``[N]`` float or ``None``.
             block: ``(bn, bk)`` the scales cover.
             name: the tensor's name in error messages (e.g. its checkpoint key).
+            scan_codes: scan for NaN codes (``False`` only for tensors already scanned,
+                as :meth:`from_weights` does for a loader's :class:`LinearWeights`).
         """
-        block = formats._check_block(block)
-        formats.check_fp8_weight(weight, weight_scale, block, name=name)
-        if not weight.is_meta:
-            scan_nan_codes(weight, weight_scale, name=name, fmt="fp8")
+        fmt = cls.format
+        block = fmt.resolve_block(block)
+        fmt.check(weight, weight_scale, block=block, name=name)
+        if scan_codes and not weight.is_meta:
+            scan_nan_codes(weight, weight_scale, name=name, fmt=fmt.name)
         n, k = weight.shape
         bias = cls._bias_from(bias, n)
-        scale_dtype = torch.float32 if weight_scale.dtype == torch.float32 else torch.float8_e8m0fnu
+        scale_dtype = fmt.scale_encoding(weight_scale).dtype
         module = cls(
             k, n, bias is not None, block=block, scale_dtype=scale_dtype, act_quant=act_quant,
-            act_peak=act_peak, device="meta", dtype=bias.dtype if bias is not None else torch.bfloat16,
+            act_peak=act_peak, device="meta", dtype=bias.dtype if bias is not None else None,
         )
-        module.weight = formats.as_fp8_bytes(weight, name).view(torch.float8_e4m3fn)
-        module.weight_scale = weight_scale if scale_dtype == torch.float32 else weight_scale.view(torch.float8_e8m0fnu)
+        module.weight = weight.view(fmt.element.dtype)
+        module.weight_scale = weight_scale.view(scale_dtype)
         module.bias = bias
         return module
+
+    @classmethod
+    def from_weights(cls, weights: LinearWeights, *, act_quant: Optional[bool] = None,
+                     act_peak: Optional[float] = None, checked: bool = False) -> "FP8Linear":
+        """Build from a loader's :class:`~torch_bq.checkpoint.LinearWeights` (no copy, no second NaN scan).
+
+        ``checked=True`` says the caller already ran :func:`check_module_class` on the layout.
+        """
+        if not checked:
+            check_module_class(cls, weights.layout)
+        return cls.from_quantized(
+            weights.weight, weights.scale, weights.bias, block=weights.block, name=weights.layout.weight_name,
+            scan_codes=not weights.scanned, **_module_options(act_quant, act_peak),
+        )
 
     @classmethod
     def from_linear(
         cls,
         linear: nn.Linear,
         *,
-        block: Sequence[int] = (32, 32),
+        block: Sequence[int] = formats.FP8.default_block,
         scale_dtype: torch.dtype = torch.float8_e8m0fnu,
         act_quant: bool = True,
         act_peak: float = formats.DEFAULT_ACT_PEAK,
     ) -> "FP8Linear":
-        """Quantize an ``nn.Linear`` (SPEC.md §2 fp8 quantizer); the bias is kept as is."""
+        """Quantize an ``nn.Linear`` (docs/contract.md §2 fp8 quantizer); the bias is kept as is."""
         _check_linear(linear)
         data, scale = formats.quantize_fp8(linear.weight.detach(), block, scale_dtype)
         bias = None if linear.bias is None else linear.bias.detach().clone()
@@ -317,19 +417,19 @@ class FP8Linear(_QuantizedLinear):
 
     @classmethod
     def from_checkpoint(cls, source, prefix: str, *, device="cpu", **options: Any) -> "FP8Linear":
-        """Load ``prefix`` from a checkpoint; see :func:`torch_bq.nn.checkpoint.load_linear`.
+        """Load ``prefix`` from a checkpoint; see :func:`load_linear`.
 
-        ``options`` are ``block`` (when the checkpoint cannot say), ``expert``,
-        ``rows``/``cols`` (a tensor-parallel shard), ``act_quant`` and ``act_peak``.
+        ``options`` are ``block`` (when the checkpoint records none), ``format="fp8"``
+        (e4m3 bytes stored as uint8), ``expert``, ``rows``/``cols`` (a tensor-parallel
+        shard), ``act_quant`` and ``act_peak``.
         """
-        from .checkpoint import load_linear
-
         return load_linear(cls, source, prefix, device=device, **options)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> nn.Linear:
         """An ``nn.Linear`` of ``dtype`` holding the decoded weight and the bias.
 
-        With e8m0 scales the decoded weight is exact in bf16; float32 scales that are
+        With e8m0 scales the decoded weight is exact in bf16 except at extreme scale codes
+        (docs/contract.md §1); float32 scales that are
         not powers of two (DeepSeek-V3's ``weight_scale_inv``) give products that bf16
         rounds, so ask for ``dtype=torch.float32`` to get the values the op uses.
         It computes ``F.linear`` without activation quantization, so it matches this
@@ -341,11 +441,7 @@ class FP8Linear(_QuantizedLinear):
     # -- loading -----------------------------------------------------------------
 
     def _normalize(self, name, tensor):
-        if name == "weight" and tensor.dtype == torch.uint8:
-            return tensor.view(torch.float8_e4m3fn)
-        if name == "weight_scale" and tensor.dtype == torch.uint8:
-            return tensor.view(torch.float8_e8m0fnu)
-        return tensor
+        return _normalize_stored(self.format, name, tensor)
 
     def _validate_loaded(self, incoming, assign):
         self._check_scale_dtype_change(incoming, assign)
@@ -357,10 +453,10 @@ class FP8Linear(_QuantizedLinear):
             raise ValueError(
                 f"weight: expected shape [{self.out_features}, {self.in_features}], got {list(weight.shape)}"
             )
-        formats.check_fp8_weight(weight, scale, self.block)
+        self.format.check(weight, scale, block=self.block)
         if not weight.is_meta and not scale.is_meta:
             scan_nan_codes(weight if "weight" in incoming else None,
-                           scale if "weight_scale" in incoming else None, fmt="fp8")
+                           scale if "weight_scale" in incoming else None, fmt=self.format.name)
 
 
 # =========================================================================== #
@@ -381,10 +477,11 @@ class FP4Linear(_QuantizedLinear):
         act_quant: quantize activations to fp8 before the matmul.
         act_peak: the activation qdq peak.
         device: where to allocate; ``"meta"`` allocates nothing.
-        dtype: dtype of ``bias``.
+        dtype: dtype of ``bias`` (default ``torch.get_default_dtype()``, as ``nn.Linear``).
     """
 
-    _aliases = {"weight_scale": ("scale",)}
+    format = formats.FP4
+    _aliases = {"weight_scale": tuple(s.lstrip(".") for s in formats.FP4.suffixes.scale[1:])}
 
     def __init__(
         self,
@@ -395,7 +492,7 @@ class FP4Linear(_QuantizedLinear):
         act_quant: bool = True,
         act_peak: float = formats.DEFAULT_ACT_PEAK,
         device=None,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
         _check_features(in_features, out_features)
@@ -404,12 +501,11 @@ class FP4Linear(_QuantizedLinear):
         self.out_features = out_features
         self.act_quant = bool(act_quant)
         self.act_peak = float(act_peak)
-        weight = torch.zeros(out_features, -(-in_features // 2), device=device, dtype=torch.uint8)
-        code = torch.full(
-            (out_features, -(-in_features // formats.FP4_BLOCK)), formats.E8M0_BIAS, device=device, dtype=torch.uint8
-        )
+        fmt = self.format
+        weight = torch.zeros(fmt.data_shape(out_features, in_features), device=device, dtype=fmt.element.dtype)
+        scale = _unit_scale(fmt.scale_shape(out_features, in_features), fmt.scales[0].dtype, device)
         self.register_buffer("weight", weight)
-        self.register_buffer("weight_scale", code.view(torch.float8_e8m0fnu))
+        self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", _bias_buffer(bias, out_features, device, dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -420,14 +516,14 @@ class FP4Linear(_QuantizedLinear):
             self.bias,
             act_quant=self.act_quant,
             act_peak=self.act_peak,
-            out_dtype=_op_out_dtype(x),
+            out_dtype=op_out_dtype(x),
         )
-        return _finish(y, x)
+        return finish_output(y, x)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, {self._bias_repr()}, "
-            f"format=mxfp4, block=(1, 32), {_act_repr(self.act_quant, self.act_peak)}"
+            f"{self.format.describe()}, {_act_repr(self.act_quant, self.act_peak)}"
         )
 
     @classmethod
@@ -441,6 +537,7 @@ class FP4Linear(_QuantizedLinear):
         act_quant: bool = True,
         act_peak: float = formats.DEFAULT_ACT_PEAK,
         name: str = "weight",
+        scan_codes: bool = True,
     ) -> "FP4Linear":
         """Wrap existing MXFP4 storage (no copy) after checking dtypes, shapes and NaN codes.
 
@@ -450,21 +547,33 @@ class FP4Linear(_QuantizedLinear):
             bias: ``[N]`` float or ``None``.
             in_features: ``K``; defaults to ``2 * weight.shape[1]``.
             name: the tensor's name in error messages.
+            scan_codes: scan for NaN codes (``False`` only for tensors already scanned).
         """
-        k = 2 * weight.shape[-1] if in_features is None else in_features
-        formats.check_fp4_weight(weight, weight_scale, k, name=name)
-        if not weight.is_meta:
-            scan_nan_codes(weight, weight_scale, name=name, fmt="fp4", in_features=k)
+        fmt = cls.format
+        k = fmt.check(weight, weight_scale, in_features=in_features, name=name)
+        if scan_codes and not weight.is_meta:
+            scan_nan_codes(weight, weight_scale, name=name, fmt=fmt.name, in_features=k)
         n = weight.shape[0]
         bias = cls._bias_from(bias, n)
         module = cls(
             k, n, bias is not None, act_quant=act_quant, act_peak=act_peak, device="meta",
-            dtype=bias.dtype if bias is not None else torch.bfloat16,
+            dtype=bias.dtype if bias is not None else None,
         )
-        module.weight = formats.as_fp4_bytes(weight, name)
-        module.weight_scale = formats.as_e8m0_codes(weight_scale, f"{name}_scale").view(torch.float8_e8m0fnu)
+        module.weight = weight.view(fmt.element.dtype)
+        module.weight_scale = weight_scale.view(fmt.scales[0].dtype)
         module.bias = bias
         return module
+
+    @classmethod
+    def from_weights(cls, weights: LinearWeights, *, act_quant: Optional[bool] = None,
+                     act_peak: Optional[float] = None, checked: bool = False) -> "FP4Linear":
+        """Build from a loader's :class:`~torch_bq.checkpoint.LinearWeights` (no copy, no second NaN scan)."""
+        if not checked:
+            check_module_class(cls, weights.layout)
+        return cls.from_quantized(
+            weights.weight, weights.scale, weights.bias, in_features=weights.in_features,
+            name=weights.layout.weight_name, scan_codes=not weights.scanned, **_module_options(act_quant, act_peak),
+        )
 
     @classmethod
     def from_linear(
@@ -475,7 +584,7 @@ class FP4Linear(_QuantizedLinear):
         act_quant: bool = True,
         act_peak: float = formats.DEFAULT_ACT_PEAK,
     ) -> "FP4Linear":
-        """Quantize an ``nn.Linear`` (SPEC.md §2 MXFP4 quantizer, ``rounding`` "ceil" or "floor")."""
+        """Quantize an ``nn.Linear`` (docs/contract.md §2 MXFP4 quantizer, ``rounding`` "ceil" or "floor")."""
         _check_linear(linear)
         packed, scale = formats.quantize_fp4(linear.weight.detach(), rounding)
         bias = None if linear.bias is None else linear.bias.detach().clone()
@@ -485,17 +594,17 @@ class FP4Linear(_QuantizedLinear):
 
     @classmethod
     def from_checkpoint(cls, source, prefix: str, *, device="cpu", **options: Any) -> "FP4Linear":
-        """Load ``prefix`` from a checkpoint; see :func:`torch_bq.nn.checkpoint.load_linear`.
+        """Load ``prefix`` from a checkpoint; see :func:`load_linear`.
 
         ``options`` are ``expert`` (gpt-oss stacked experts), ``in_features``,
         ``rows``/``cols`` (a tensor-parallel shard), ``act_quant`` and ``act_peak``.
         """
-        from .checkpoint import load_linear
-
         return load_linear(cls, source, prefix, device=device, **options)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> nn.Linear:
-        """An ``nn.Linear`` of ``dtype`` holding the decoded weight (exact in bf16) and the bias.
+        """An ``nn.Linear`` of ``dtype`` holding the decoded weight and the bias.
+
+        The weight is exact in bf16 except at extreme scale codes (docs/contract.md §1).
 
         It computes ``F.linear`` without activation quantization, so it equals this
         module exactly only when ``act_quant=False``.
@@ -504,24 +613,223 @@ class FP4Linear(_QuantizedLinear):
         return _dense_linear(w, self.bias, dtype)
 
     def _normalize(self, name, tensor):
-        if name == "weight" and tensor.dtype in (torch.int8, torch.float4_e2m1fn_x2):
-            return tensor.view(torch.uint8)
-        if name == "weight_scale" and tensor.dtype == torch.uint8:
-            return tensor.view(torch.float8_e8m0fnu)
-        return tensor
+        return _normalize_stored(self.format, name, tensor)
 
     def _validate_loaded(self, incoming, assign):
         weight = incoming.get("weight", self.weight)
         scale = incoming.get("weight_scale", self.weight_scale)
-        if tuple(weight.shape) != (self.out_features, -(-self.in_features // 2)):
-            raise ValueError(
-                f"weight: expected shape [{self.out_features}, {-(-self.in_features // 2)}], got {list(weight.shape)}"
-            )
-        formats.check_fp4_weight(weight, scale, self.in_features)
+        expected = self.format.data_shape(self.out_features, self.in_features)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"weight: expected shape {list(expected)}, got {list(weight.shape)}")
+        self.format.check(weight, scale, in_features=self.in_features)
         if not weight.is_meta and not scale.is_meta:
             scan_nan_codes(weight if "weight" in incoming else None,
                            scale if "weight_scale" in incoming else None,
-                           fmt="fp4", in_features=self.in_features)
+                           fmt=self.format.name, in_features=self.in_features)
+
+
+
+# =========================================================================== #
+# NVFP4Linear
+# =========================================================================== #
+
+
+class NVFP4Linear(_QuantizedLinear):
+    """``nn.Linear`` with an NVIDIA NVFP4 weight (ModelOpt checkpoints): e2m1 pairs, 1x16 e4m3
+    block scales and a float32 per-tensor scale, both multiplied.
+
+    ``forward(x)``: ``x`` ``[..., K]`` any float dtype -> ``[..., N]`` of ``x.dtype``, computed
+    by :func:`torch_bq.ops.nvfp4_linear`: W4A16 by default (bf16 activations), W4A8 with
+    ``act_quant=True`` (the fp8 round trip of the contract). NVFP4 activation quantization
+    (ModelOpt's ``input_scale``) is not implemented: an ``input_scale`` in a state dict is
+    validated (float32 scalar, positive, finite) and ignored.
+
+    A class of its own rather than an option of :class:`FP4Linear`: its state differs
+    (an e4m3 scale grid of 1x16 blocks plus ``weight_scale_2``), so one class per format
+    keeps ``load_state_dict``, the loader's format -> class mapping and ``extra_repr``
+    free of mode switches.
+
+    Args:
+        in_features: ``K`` (may be odd: the last high nibble is zero padding).
+        out_features: ``N``.
+        bias: whether the module holds a ``bias [N]`` (of ``dtype``).
+        act_quant: round-trip activations through fp8 before the matmul (default off).
+        act_peak: the activation qdq peak.
+        device: where to allocate; ``"meta"`` allocates nothing.
+        dtype: dtype of ``bias`` (default ``torch.get_default_dtype()``).
+    """
+
+    format = formats.NVFP4
+    _stored = ("weight", "weight_scale", "weight_scale_2")
+    _ignored = tuple(s.lstrip(".") for s in formats.NVFP4.suffixes.ignored)
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        act_quant: bool = False,
+        act_peak: float = formats.DEFAULT_ACT_PEAK,
+        device=None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        _check_features(in_features, out_features)
+        formats.check_peak(act_peak)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.act_quant = bool(act_quant)
+        self.act_peak = float(act_peak)
+        fmt = self.format
+        weight = torch.zeros(fmt.data_shape(out_features, in_features), device=device, dtype=fmt.element.dtype)
+        scale = torch.ones(fmt.scale_shape(out_features, in_features), device=device, dtype=torch.float32)
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", scale.to(fmt.scales[0].dtype))
+        self.register_buffer("weight_scale_2", torch.ones((), device=device, dtype=fmt.tensor_scale.dtype))
+        self.register_buffer("bias", _bias_buffer(bias, out_features, device, dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = ops.nvfp4_linear(
+            x,
+            self.weight,
+            self.weight_scale,
+            self.weight_scale_2,
+            self.bias,
+            act_quant=self.act_quant,
+            act_peak=self.act_peak,
+            out_dtype=op_out_dtype(x),
+        )
+        return finish_output(y, x)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, {self._bias_repr()}, "
+            f"{self.format.describe()}, {_act_repr(self.act_quant, self.act_peak)}"
+        )
+
+    @classmethod
+    def from_quantized(
+        cls,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        weight_scale_2: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        *,
+        in_features: Optional[int] = None,
+        act_quant: bool = False,
+        act_peak: float = formats.DEFAULT_ACT_PEAK,
+        name: str = "weight",
+        scan_codes: bool = True,
+    ) -> "NVFP4Linear":
+        """Wrap existing NVFP4 storage (no copy) after checking dtypes, shapes and corrupt codes.
+
+        Args:
+            weight: ``[N, ceil(K/2)]`` packed bytes (``uint8``/``int8``/``float4_e2m1fn_x2``).
+            weight_scale: ``[N, ceil(K/16)]`` ``float8_e4m3fn`` (or ``uint8`` bytes), positive finite.
+            weight_scale_2: ``float32`` scalar (shape ``[]`` or ``[1]``), positive finite.
+            bias: ``[N]`` float or ``None``.
+            in_features: ``K``; defaults to ``2 * weight.shape[1]``.
+            name: the tensor's name in error messages.
+            scan_codes: scan for corrupt codes (``False`` only for tensors already scanned).
+        """
+        fmt = cls.format
+        k = fmt.check(weight, weight_scale, in_features=in_features, tensor_scale=weight_scale_2, name=name)
+        if scan_codes and not weight.is_meta:
+            fmt.find_nan_codes(None, weight_scale, tensor_scale=weight_scale_2, name=name)
+            scan_nan_codes(weight, None, name=name, fmt=fmt.name, in_features=k)
+        n = weight.shape[0]
+        bias = cls._bias_from(bias, n)
+        module = cls(k, n, bias is not None, act_quant=act_quant, act_peak=act_peak, device="meta",
+                     dtype=bias.dtype if bias is not None else None)
+        module.weight = weight.view(fmt.element.dtype)
+        module.weight_scale = weight_scale.view(fmt.scales[0].dtype)
+        module.weight_scale_2 = weight_scale_2.reshape(())
+        module.bias = bias
+        return module
+
+    @classmethod
+    def from_weights(cls, weights: LinearWeights, *, act_quant: Optional[bool] = None,
+                     act_peak: Optional[float] = None, checked: bool = False) -> "NVFP4Linear":
+        """Build from a loader's :class:`~torch_bq.checkpoint.LinearWeights` (no copy, no second scan)."""
+        if not checked:
+            check_module_class(cls, weights.layout)
+        return cls.from_quantized(
+            weights.weight, weights.scale, weights.tensor_scale, weights.bias, in_features=weights.in_features,
+            name=weights.layout.weight_name, scan_codes=not weights.scanned, **_module_options(act_quant, act_peak),
+        )
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        *,
+        weight_scale_2: Optional[torch.Tensor] = None,
+        act_quant: bool = False,
+        act_peak: float = formats.DEFAULT_ACT_PEAK,
+    ) -> "NVFP4Linear":
+        """Quantize an ``nn.Linear`` with :func:`torch_bq.formats.quantize_nvfp4`; the bias is kept as is."""
+        _check_linear(linear)
+        weight, scale, scale_2 = formats.quantize_nvfp4(linear.weight.detach(), weight_scale_2)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls.from_quantized(weight, scale, scale_2, bias, in_features=linear.in_features,
+                                  act_quant=act_quant, act_peak=act_peak)
+
+    @classmethod
+    def from_checkpoint(cls, source, prefix: str, *, device="cpu", **options: Any) -> "NVFP4Linear":
+        """Load ``prefix`` (the ModelOpt NVFP4 layout) from a checkpoint; see :func:`load_linear`."""
+        return load_linear(cls, source, prefix, device=device, **options)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> nn.Linear:
+        """An ``nn.Linear`` of ``dtype`` holding the decoded weight (exact in float32, the default).
+
+        It computes ``F.linear`` without rounding activations, so it matches this module
+        only up to the op's bf16 activation rounding and summation order.
+        """
+        w = formats.dequantize_nvfp4(self.weight, self.weight_scale, self.weight_scale_2, self.in_features,
+                                     dtype=dtype)
+        return _dense_linear(w, self.bias, dtype)
+
+    def _normalize(self, name, tensor):
+        if name == "weight_scale_2" and tensor.dim() == 1 and tensor.numel() == 1:
+            return tensor.reshape(())  # ModelOpt files hold [] ; some exporters [1]
+        return _normalize_stored(self.format, name, tensor)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        for name in self._ignored:
+            t = state_dict.get(prefix + name)
+            if t is None:
+                continue
+            try:
+                _check_ignored_scale(t, name)
+            except (ValueError, TypeError) as e:
+                error_msgs.append(f"{prefix}{e}")
+                return
+            del state_dict[prefix + name]
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _validate_loaded(self, incoming, assign):
+        weight = incoming.get("weight", self.weight)
+        scale = incoming.get("weight_scale", self.weight_scale)
+        scale_2 = incoming.get("weight_scale_2", self.weight_scale_2)
+        expected = self.format.data_shape(self.out_features, self.in_features)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"weight: expected shape {list(expected)}, got {list(weight.shape)}")
+        self.format.check(weight, scale, in_features=self.in_features, tensor_scale=scale_2)
+        if not any(t.is_meta for t in (weight, scale, scale_2)):
+            self.format.find_nan_codes(None, scale if "weight_scale" in incoming else None,
+                                       tensor_scale=scale_2 if "weight_scale_2" in incoming else None)
+            scan_nan_codes(weight if "weight" in incoming else None, None, fmt=self.format.name,
+                           in_features=self.in_features)
+
+
+def _check_ignored_scale(t: torch.Tensor, name: str) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 1:
+        raise TypeError(f"{name}: expected a float32 scalar, got {getattr(t, 'dtype', type(t))} "
+                        f"{list(getattr(t, 'shape', []))}")
+    if not t.is_meta and not (torch.isfinite(t).all() and (t > 0).all()):
+        raise ValueError(f"{name}: expected a positive finite scale, got {t.reshape(-1)[0].item()}")
 
 
 # =========================================================================== #
@@ -533,7 +841,7 @@ class BF16Linear(_QuantizedLinear):
     """``nn.Linear`` on a bf16 weight through :func:`torch_bq.ops.bf16_linear`.
 
     A float32 weight is kept as float32 and narrowed to bf16 inside
-    :func:`torch_bq.ops.fp32w_linear` (SPEC.md §1 ``fp32w``). Activations are
+    :func:`torch_bq.ops.fp32w_linear` (docs/contract.md §1 ``fp32w``). Activations are
     rounded to bf16, never quantized.
 
     Args:
@@ -551,7 +859,7 @@ class BF16Linear(_QuantizedLinear):
                  dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         _check_features(in_features, out_features)
-        if dtype not in (torch.bfloat16, torch.float32):
+        if dtype not in _DENSE_FORMATS:
             raise TypeError(f"dtype: expected torch.bfloat16 or torch.float32, got {dtype}")
         self.in_features = in_features
         self.out_features = out_features
@@ -560,17 +868,24 @@ class BF16Linear(_QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = ops.fp32w_linear if self.weight.dtype == torch.float32 else ops.bf16_linear
-        return _finish(op(x, self.weight, self.bias, out_dtype=_op_out_dtype(x)), x)
+        return finish_output(op(x, self.weight, self.bias, out_dtype=op_out_dtype(x)), x)
 
     def extra_repr(self) -> str:
-        fmt = "fp32w" if self.weight.dtype == torch.float32 else "bf16"
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self._bias_repr()}, format={fmt}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, {self._bias_repr()}, "
+            f"{self.format.describe()}"
+        )
+
+    @property
+    def format(self) -> formats.WeightFormat:
+        """``formats.FP32W`` for a float32 weight, else ``formats.BF16``."""
+        return _DENSE_FORMATS[self.weight.dtype]
 
     @classmethod
     def from_quantized(cls, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                        name: str = "weight") -> "BF16Linear":
         """Wrap a ``bfloat16`` or ``float32`` ``[N, K]`` weight (no copy)."""
-        if weight.dtype not in (torch.bfloat16, torch.float32):
+        if weight.dtype not in _DENSE_FORMATS:
             raise TypeError(f"{name}: expected dtype torch.bfloat16 or torch.float32, got {weight.dtype}")
         if weight.dim() != 2:
             raise ValueError(f"{name}: expected a 2-D [N, K] tensor, got shape {list(weight.shape)}")
@@ -580,6 +895,16 @@ class BF16Linear(_QuantizedLinear):
         module.weight = weight
         module.bias = bias
         return module
+
+    @classmethod
+    def from_weights(cls, weights: LinearWeights, *, act_quant: Optional[bool] = None,
+                     act_peak: Optional[float] = None, checked: bool = False) -> "BF16Linear":
+        """Build from a loader's dense :class:`~torch_bq.checkpoint.LinearWeights` (no copy)."""
+        if not checked:
+            check_module_class(cls, weights.layout)
+        if act_quant is not None or act_peak is not None:
+            raise TypeError(f"{weights.layout.weight_name}: act_quant/act_peak do not apply to a dense (BF16Linear) layer")
+        return cls.from_quantized(weights.weight, weights.bias, name=weights.layout.weight_name)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, keep_fp32: bool = False) -> "BF16Linear":
@@ -598,8 +923,6 @@ class BF16Linear(_QuantizedLinear):
     @classmethod
     def from_checkpoint(cls, source, prefix: str, *, device="cpu", **options: Any) -> "BF16Linear":
         """Load a dense ``prefix.weight`` (bf16, or float32 kept as fp32w; fp16 widens to float32)."""
-        from .checkpoint import load_linear
-
         return load_linear(cls, source, prefix, device=device, **options)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> nn.Linear:
@@ -608,8 +931,30 @@ class BF16Linear(_QuantizedLinear):
 
     def _validate_loaded(self, incoming, assign):
         weight = incoming.get("weight")
-        if weight is not None and weight.dtype not in (torch.bfloat16, torch.float32):
+        if weight is not None and weight.dtype not in _DENSE_FORMATS:
             raise TypeError(f"weight: expected dtype torch.bfloat16 or torch.float32, got {weight.dtype}")
+
+
+#: the dense formats by the weight's storage dtype
+_DENSE_FORMATS = {f.element.dtype: f for f in (formats.BF16, formats.FP32W)}
+
+
+def _unit_scale(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """Scales of 1.0 in ``dtype`` (e8m0 code 127, or float32 1.0)."""
+    if dtype == torch.float8_e8m0fnu:
+        return torch.full(shape, formats.E8M0_BIAS, device=device, dtype=torch.uint8).view(dtype)
+    return torch.ones(shape, device=device, dtype=torch.float32).to(dtype)
+
+
+def _normalize_stored(fmt: formats.WeightFormat, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Byte-equivalent storage dtypes (``uint8`` e8m0 codes, ``int8`` fp4 pairs, ...) -> the module's."""
+    if name == "weight" and tensor.dtype in fmt.element.storage:
+        return tensor.view(fmt.element.dtype)
+    if name == "weight_scale":
+        for enc in fmt.scales:
+            if tensor.dtype in enc.storage and tensor.dtype.itemsize == enc.dtype.itemsize:
+                return tensor.view(enc.dtype)
+    return tensor
 
 
 def _dense_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype) -> nn.Linear:
@@ -620,3 +965,79 @@ def _dense_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: tor
         linear.bias = nn.Parameter(bias.detach().to(dtype).clone())
     return linear
 
+
+
+def _module_options(act_quant: Optional[bool], act_peak: Optional[float]) -> dict:
+    opts = {}
+    if act_quant is not None:
+        opts["act_quant"] = act_quant
+    if act_peak is not None:
+        opts["act_peak"] = act_peak
+    return opts
+
+
+# =========================================================================== #
+# format -> class registry and checkpoint loading
+# =========================================================================== #
+
+#: format name -> the torch_bq module class that holds it (the one registry)
+FORMAT_CLASSES = {"fp8": FP8Linear, "fp4": FP4Linear, "nvfp4": NVFP4Linear, "bf16": BF16Linear, "fp32w": BF16Linear}
+
+
+def module_class_for(fmt: str):
+    """The torch_bq module class for a format name."""
+    if fmt not in FORMAT_CLASSES:
+        raise ValueError(f"format: expected one of {sorted(FORMAT_CLASSES)}, got {fmt!r}")
+    return FORMAT_CLASSES[fmt]
+
+
+def check_module_class(cls, layout: LinearLayout) -> None:
+    """Raise :class:`~torch_bq.checkpoint.CheckpointError` unless ``cls`` holds ``layout.format``.
+
+    The one class check of every loading path (``from_checkpoint``, ``from_weights``,
+    :func:`build_module`, ``load_quantized_``); it runs on the layout, before data is read.
+    """
+    expected = module_class_for(layout.format)
+    if cls is not expected:
+        hint = ""
+        if layout.format == "fp4" and layout.source != "record" and cls is FP8Linear:
+            hint = " (if these uint8 bytes are fp8 e4m3 codes, pass format='fp8')"
+        raise CheckpointError(
+            f"{layout.prefix}: the checkpoint holds {layout.format} weights ({layout.layout} layout"
+            + (", recorded" if layout.source == "record" else "")
+            + f"); load them with {expected.__name__}, not {cls.__name__}{hint}"
+        )
+
+
+def build_module(weights: LinearWeights, cls=None, *, device="cpu", act_quant: Optional[bool] = None,
+                 act_peak: Optional[float] = None):
+    """A torch_bq module holding ``weights`` (moved to ``device``); ``cls`` defaults from the format."""
+    cls = module_class_for(weights.format) if cls is None else cls
+    return cls.from_weights(weights, act_quant=act_quant, act_peak=act_peak).to(device)
+
+
+def load_linear(cls, source: Source, prefix: str, *, device="cpu", expert: Optional[int] = None,
+                block: Optional[Sequence[int]] = None, in_features: Optional[int] = None,
+                format: Optional[str] = None,
+                rows: Optional[Sequence[int]] = None, cols: Optional[Sequence[int]] = None,
+                act_quant: Optional[bool] = None, act_peak: Optional[float] = None):
+    """Build a ``cls`` module from layer ``prefix`` of ``source`` (the body of ``from_checkpoint``).
+
+    Args:
+        cls: ``FP8Linear``, ``FP4Linear`` or ``BF16Linear``; must match what the checkpoint holds.
+        source: a ``.safetensors`` file, a directory (index or files; ``config.json``), a mapping,
+            or a :class:`~torch_bq.checkpoint.CheckpointReader`.
+        prefix: the layer's name in the checkpoint.
+        device: where the module's tensors end up (read on CPU, then moved).
+        expert: pick one expert of stacked tensors (gpt-oss ``_blocks``/``_scales``).
+        block: fp8 block when the checkpoint records none (it must agree with a record).
+        in_features: ``K`` for fp4 with odd ``K`` when not recorded.
+        format: ``"fp8"`` for e4m3 bytes stored as uint8 in an unrecorded checkpoint.
+        rows, cols: load only a tensor-parallel shard (see :func:`~torch_bq.checkpoint.read_linear`).
+        act_quant, act_peak: module options (default: the module's defaults).
+    """
+    with open_checkpoint(source) as reader:
+        layout = detect_linear(reader, prefix, expert=expert, block=block, in_features=in_features, format=format)
+        check_module_class(cls, layout)  # from the headers, before any data is read
+        weights = read_linear(reader, layout, rows=rows, cols=cols)
+    return cls.from_weights(weights, act_quant=act_quant, act_peak=act_peak, checked=True).to(device)

@@ -1,4 +1,4 @@
-"""The ``torch_bq::`` paged KV cache ops of SPEC.md §5: schema, fake implementation, reference body.
+"""The ``torch_bq::`` paged KV cache ops of docs/contract.md §5: schema, fake implementation, reference body.
 
 * ``torch_bq::paged_kv_write`` writes this step's keys and values into the paged
   caches in place (declared in ``mutates_args``, so functionalization under
@@ -56,7 +56,7 @@ def paged_kv_write(
     *,
     validate: bool = True,
 ) -> None:
-    """Write each row's key and value into the paged caches, in place (SPEC.md §5 step 4).
+    """Write each row's key and value into the paged caches, in place (docs/contract.md §5 step 4).
 
     ``k_cache[slot // block_size, slot % block_size] = k[row]`` (and likewise ``v``)
     for every row with ``slot >= 0``; rows with a negative slot (padding) are skipped.
@@ -88,7 +88,7 @@ def paged_window_attention(
     scale: Optional[float] = None,
     validate: bool = True,
 ) -> torch.Tensor:
-    """Sliding-window GQA attention over a paged KV cache (SPEC.md §5 step 5).
+    """Sliding-window GQA attention over a paged KV cache (docs/contract.md §5 step 5).
 
     Row ``i`` of request ``r = i // rows_per_request`` at position ``p_i`` attends to
     cache positions ``j`` with ``max(0, p_i - window + 1) <= j < seq_lens[r]`` (the

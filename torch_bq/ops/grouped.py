@@ -87,7 +87,7 @@ def _grouped_grad_input(grad, weight, offsets, k, x_dtype, row_multiple, decode_
     n = weight.shape[1]
 
     def expert_grad(e, g_rows):
-        return linear_grad_input(g_rows, n, k, ref_linear._slab_rows(k, row_multiple),
+        return linear_grad_input(g_rows, n, k, ref_linear.slab_rows(k, row_multiple),
                                  lambda n0, n1: decode_expert_rows(e, n0, n1), x_dtype)
 
     return ref.by_expert(grad, offsets, k, x_dtype, expert_grad)
@@ -194,7 +194,7 @@ def fp8_grouped_linear(
     offsets: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
     *,
-    block: Sequence[int] = (32, 32),
+    block: Sequence[int] = formats.FP8.default_block,
     act_quant: bool = True,
     act_peak: float = formats.DEFAULT_ACT_PEAK,
     out_dtype: torch.dtype = torch.bfloat16,
@@ -226,7 +226,7 @@ def fp8_grouped_linear(
         offsets that decrease or do not end at ``T``.
     """
     return torch.ops.torch_bq.fp8_grouped_linear(
-        x, weight, scale, offsets, bias, [int(b) for b in block], act_quant, float(act_peak), out_dtype
+        x, weight, scale, offsets, bias, list(formats._check_block(block)), act_quant, float(act_peak), out_dtype
     )
 
 

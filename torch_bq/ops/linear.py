@@ -14,7 +14,7 @@ import torch
 from .. import formats
 from ..reference import linear as ref
 
-__all__ = ["fp8_linear", "fp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8"]
+__all__ = ["fp8_linear", "fp4_linear", "nvfp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8"]
 
 
 def _out_like(x: torch.Tensor, n, out_dtype: torch.dtype) -> torch.Tensor:
@@ -29,6 +29,7 @@ def _out_like(x: torch.Tensor, n, out_dtype: torch.dtype) -> torch.Tensor:
 # The reference functions carry the schema's annotations, so they are the op bodies as they are.
 _fp8_linear = torch.library.custom_op("torch_bq::fp8_linear", ref.fp8_linear, mutates_args=())
 _fp4_linear = torch.library.custom_op("torch_bq::fp4_linear", ref.fp4_linear, mutates_args=())
+_nvfp4_linear = torch.library.custom_op("torch_bq::nvfp4_linear", ref.nvfp4_linear, mutates_args=())
 _bf16_linear = torch.library.custom_op("torch_bq::bf16_linear", ref.bf16_linear, mutates_args=())
 _fp32w_linear = torch.library.custom_op("torch_bq::fp32w_linear", ref.fp32w_linear, mutates_args=())
 
@@ -42,6 +43,12 @@ def _(x, weight, scale, bias, block, act_quant, act_peak, out_dtype):
 @_fp4_linear.register_fake
 def _(x, weight, scale, bias, act_quant, act_peak, out_dtype):
     ref.check_fp4_linear_args(x, weight, scale, bias, act_quant, act_peak, out_dtype)
+    return _out_like(x, weight.shape[0], out_dtype)
+
+
+@_nvfp4_linear.register_fake
+def _(x, weight, weight_scale, weight_scale_2, bias, act_quant, act_peak, out_dtype):
+    ref.check_nvfp4_linear_args(x, weight, weight_scale, weight_scale_2, bias, act_quant, act_peak, out_dtype)
     return _out_like(x, weight.shape[0], out_dtype)
 
 
@@ -79,12 +86,12 @@ def fp8_linear(
     scale: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
     *,
-    block: Sequence[int] = (32, 32),
+    block: Sequence[int] = formats.FP8.default_block,
     act_quant: bool = True,
     act_peak: float = formats.DEFAULT_ACT_PEAK,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """Linear layer with a block-scaled fp8 weight (SPEC.md §4).
+    """Linear layer with a block-scaled fp8 weight (docs/contract.md §4).
 
     ``y = round_out(A @ W.T + bias)`` with ``A = qdq_fp8(x, act_peak)`` if
     ``act_quant`` else ``bf16(x)``, ``W[n, k] = e4m3(weight[n, k]) * scale[n // bn, k // bk]``,
@@ -105,7 +112,7 @@ def fp8_linear(
         ``[..., N]`` of ``out_dtype``.
     """
     return torch.ops.torch_bq.fp8_linear(
-        x, weight, scale, bias, [int(b) for b in block], act_quant, float(act_peak), out_dtype
+        x, weight, scale, bias, list(formats._check_block(block)), act_quant, float(act_peak), out_dtype
     )
 
 
@@ -119,7 +126,7 @@ def fp4_linear(
     act_peak: float = formats.DEFAULT_ACT_PEAK,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """Linear layer with an OCP MXFP4 weight (W4A8 by default; SPEC.md §4).
+    """Linear layer with an OCP MXFP4 weight (W4A8 by default; docs/contract.md §4).
 
     Args:
         x: ``[..., K]`` any float dtype; ``K`` may be odd.
@@ -135,6 +142,44 @@ def fp4_linear(
         ``[..., N]`` of ``out_dtype``.
     """
     return torch.ops.torch_bq.fp4_linear(x, weight, scale, bias, act_quant, float(act_peak), out_dtype)
+
+
+def nvfp4_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_scale_2: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    act_quant: bool = False,
+    act_peak: float = formats.DEFAULT_ACT_PEAK,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Linear layer with an NVIDIA NVFP4 weight (W4A16 by default, W4A8 with ``act_quant``).
+
+    ``y = round_out(A @ W.T + bias)``, ``A = qdq_fp8(x, act_peak)`` if ``act_quant``
+    else ``bf16(x)``, ``W[n, k] = fp32(e2m1[n, k] * e4m3(weight_scale[n, k // 16])) *
+    weight_scale_2`` rounded once to float32 (exact float32 values, not always bf16),
+    products and sums in float32. Activations are never quantized to NVFP4.
+
+    Args:
+        x: ``[..., K]`` any float dtype; ``K`` may be odd.
+        weight: ``[N, ceil(K/2)]`` packed e2m1 (``uint8``/``int8``/``float4_e2m1fn_x2``),
+            element ``2j`` in the low nibble of byte ``j``.
+        weight_scale: ``[N, ceil(K/16)]`` ``float8_e4m3fn`` (or ``uint8`` bytes), positive
+            and finite (not scanned here; loaders scan), multiplied.
+        weight_scale_2: ``float32`` scalar (shape ``[]`` or ``[1]``), multiplied.
+        bias: ``[N]`` any float dtype, or ``None``.
+        act_quant: round-trip ``x`` through fp8 first (default ``False``: bf16 activations).
+        act_peak: the qdq peak.
+        out_dtype: ``bfloat16`` (default), ``float16`` or ``float32``.
+
+    Returns:
+        ``[..., N]`` of ``out_dtype``.
+    """
+    return torch.ops.torch_bq.nvfp4_linear(
+        x, weight, weight_scale, weight_scale_2, bias, act_quant, float(act_peak), out_dtype
+    )
 
 
 def bf16_linear(
@@ -182,7 +227,7 @@ def fp32w_linear(
 
 
 def qdq_fp8(x: torch.Tensor, peak: float = formats.DEFAULT_ACT_PEAK) -> torch.Tensor:
-    """The activation round trip of SPEC.md §3 as an op; see :func:`torch_bq.formats.qdq_fp8`.
+    """The activation round trip of docs/contract.md §3 as an op; see :func:`torch_bq.formats.qdq_fp8`.
 
     Args:
         x: ``[..., K]`` any float dtype.

@@ -1,4 +1,4 @@
-"""Reference paged KV cache write and sliding-window attention of SPEC.md §5 steps 4-5.
+"""Reference paged KV cache write and sliding-window attention of docs/contract.md §5 steps 4-5.
 
 Cache layout (both caches alike)::
 
@@ -29,9 +29,12 @@ Argument checks come in two kinds:
   dependent, so it runs eagerly only; the modules call it once per step.
 """
 
+import math
 from typing import Optional
 
 import torch
+
+from .linear import check_devices
 
 __all__ = [
     "paged_kv_write",
@@ -74,7 +77,8 @@ def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 def check_kv_write_args(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Raise on dtype/shape errors in ``paged_kv_write``'s arguments."""
+    """Raise on dtype/shape/device errors in ``paged_kv_write``'s arguments."""
+    check_devices(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slots=slots)
     _check_caches(k_cache, v_cache)
     _, _, hkv, d = k_cache.shape
     if k.dim() != 3:
@@ -100,7 +104,9 @@ def check_attention_args(
     causal: bool,
     scale: float,
 ) -> None:
-    """Raise on dtype/shape errors in ``paged_window_attention``'s arguments."""
+    """Raise on dtype/shape/device errors in ``paged_window_attention``'s arguments."""
+    check_devices(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, positions=positions,
+                  seq_lens=seq_lens)
     _check_caches(k_cache, v_cache)
     _, _, hkv, d = k_cache.shape
     if not q.dtype.is_floating_point or q.dtype.itemsize == 1:
@@ -115,8 +121,8 @@ def check_attention_args(
         raise ValueError(f"rows_per_request: expected >= 1, got {rows_per_request}")
     if window < 1:
         raise ValueError(f"window: expected >= 1, got {window}")
-    if not scale > 0.0:
-        raise ValueError(f"scale: expected > 0, got {scale}")
+    if not (scale > 0.0 and math.isfinite(scale)):  # inf gives inf * 0 = NaN scores
+        raise ValueError(f"scale: expected a finite float > 0, got {scale}")
     rows = q.shape[0]
     if rows % rows_per_request:
         raise ValueError(f"q: R = {rows} rows is not a multiple of rows_per_request = {rows_per_request}")
@@ -207,23 +213,7 @@ def check_paged_metadata(
         )
 
     lo, hi = visible_range(positions, seq_lens, rows_per_request, window)
-    first_block, last_block = lo // block_size, (hi - 1) // block_size
-    max_blocks = block_table.shape[1]
-    r = _first(last_block >= max_blocks)
-    if r is not None:
-        raise ValueError(
-            f"block_table: request {r} has seq_len {int(hi[r])}, which needs {int(last_block[r]) + 1} blocks "
-            f"of {block_size}, but the table has only {max_blocks} columns"
-        )
-    col = torch.arange(max_blocks, device=block_table.device)
-    read = (col >= first_block[:, None]) & (col <= last_block[:, None])
-    bad = read & ((block_table < 0) | (block_table >= num_blocks))
-    if bool(bad.any()):
-        r, b = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(
-            f"block_table: request {r}, logical block {b} maps to physical block {int(block_table[r, b])}, "
-            f"outside the cache's [0, {num_blocks})"
-        )
+    _check_table_reads(block_table, lo, hi, num_blocks=num_blocks, block_size=block_size)
 
     if slots is None:
         return
@@ -239,10 +229,37 @@ def check_paged_metadata(
         )
 
 
-def check_slots(slots: torch.Tensor, *, num_blocks: int, block_size: int) -> None:
-    """Raise ``ValueError`` unless every slot is ``< 0`` (skip) or inside the cache, and no
-    two rows write one slot (which one would win is unspecified). Eager only."""
-    _check_dtype("slots", slots, torch.int64)
+def _check_table_reads(block_table: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *,
+                       num_blocks: int, block_size: int) -> None:
+    """Raise unless each request's table row covers ``[lo, hi)`` with physical blocks inside the cache.
+
+    Cheap (one pass over the table), so the attention op runs it on every call,
+    ``validate=False`` included: an entry of -1 must not read the last block.
+    """
+    if hi.numel() == 0:
+        return
+    nonempty = hi > lo
+    first_block, last_block = lo // block_size, (hi - 1).clamp_min(0) // block_size
+    max_blocks = block_table.shape[1]
+    r = _first(nonempty & (last_block >= max_blocks))
+    if r is not None:
+        raise ValueError(
+            f"block_table: request {r} has seq_len {int(hi[r])}, which needs {int(last_block[r]) + 1} blocks "
+            f"of {block_size}, but the table has only {max_blocks} columns"
+        )
+    col = torch.arange(max_blocks, device=block_table.device)
+    read = nonempty[:, None] & (col >= first_block[:, None]) & (col <= last_block[:, None])
+    bad = read & ((block_table < 0) | (block_table >= num_blocks))
+    if bool(bad.any()):
+        r, b = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"block_table: request {r}, logical block {b} maps to physical block {int(block_table[r, b])}, "
+            f"outside the cache's [0, {num_blocks})"
+        )
+
+
+def _check_slot_bounds(slots: torch.Tensor, *, num_blocks: int, block_size: int) -> None:
+    """Raise unless every slot is ``< 0`` (skip) or inside the cache (one pass; always run by the write op)."""
     capacity = num_blocks * block_size
     i = _first(slots >= capacity)
     if i is not None:
@@ -250,6 +267,13 @@ def check_slots(slots: torch.Tensor, *, num_blocks: int, block_size: int) -> Non
             f"slots: row {i} writes slot {int(slots[i])}, outside the cache's "
             f"{num_blocks} blocks x {block_size} = {capacity} slots"
         )
+
+
+def check_slots(slots: torch.Tensor, *, num_blocks: int, block_size: int) -> None:
+    """Raise ``ValueError`` unless every slot is ``< 0`` (skip) or inside the cache, and no
+    two rows write one slot (which one would win is unspecified). Eager only."""
+    _check_dtype("slots", slots, torch.int64)
+    _check_slot_bounds(slots, num_blocks=num_blocks, block_size=block_size)
     kept = slots[slots >= 0]
     values, counts = kept.unique(return_counts=True)
     if bool((counts > 1).any()):
@@ -267,6 +291,9 @@ def paged_kv_write(
     """Write rows of ``k``/``v`` into the caches in place; see :func:`torch_bq.ops.paged_kv_write`."""
     check_kv_write_args(k, v, k_cache, v_cache, slots)
     block_size = k_cache.shape[1]
+    # Checked before either cache is touched, whatever ``validate`` says: an
+    # out-of-range slot would otherwise fail half-way, after part of k_cache was written.
+    _check_slot_bounds(slots, num_blocks=k_cache.shape[0], block_size=block_size)
     keep = slots >= 0
     kept = slots[keep]
     # Index by (block, offset) rather than through a flattened view so that caches
@@ -300,6 +327,8 @@ def paged_window_attention(
     group = hq // hkv
     out = torch.empty(rows, hkv, group, d, dtype=torch.float32, device=q.device)
     lo, hi = visible_range(positions, seq_lens, rows_per_request, window)
+    # Always checked (cheap): a table entry of -1 would otherwise read the cache's last block.
+    _check_table_reads(block_table, lo, hi, num_blocks=k_cache.shape[0], block_size=block_size)
     for r in range(rows // rows_per_request):
         mine = slice(r * rows_per_request, (r + 1) * rows_per_request)
         j = torch.arange(int(lo[r]), int(hi[r]), device=q.device)  # cache positions read

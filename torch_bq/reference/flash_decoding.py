@@ -19,7 +19,7 @@ query rows that share a KV head form one tile, and each chunk yields a partial
             l_c = rowsum(P);  o_c = P @ V[:, g]         # unnormalised
         out = merge_partials(m, l, o)
 
-The merge is SPEC.md §5's: ``M = max m_c``, ``L = sum l_c e^(m_c - M)``,
+The merge is docs/contract.md §5's: ``M = max m_c``, ``L = sum l_c e^(m_c - M)``,
 ``out = sum o_c e^(m_c - M) / L``. A chunk a row cannot see (outside its window,
 past ``seq_len``, or after it under ``causal``) has ``m = -inf, l = 0, o = 0`` and
 contributes exactly nothing, never NaN.
@@ -27,7 +27,7 @@ contributes exactly nothing, never NaN.
 
 import torch
 
-from .attention import check_attention_args, visible_range
+from .attention import _check_table_reads, check_attention_args, visible_range
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "attention_partials", "merge_partials", "paged_window_attention_split"]
 
@@ -65,7 +65,7 @@ def attention_partials(
 
 
 def merge_partials(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """Combine split partials (SPEC.md §5): ``sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)``.
+    """Combine split partials (docs/contract.md §5): ``sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)``.
 
     Args:
         m, l: ``[S, ...]`` float32 per-split row max and exp-sum.
@@ -110,6 +110,7 @@ def paged_window_attention_split(
     group = hq // hkv
     out = torch.empty(rows, hq, d, dtype=torch.float32, device=q.device)
     lo, hi = visible_range(positions, seq_lens, rows_per_request, window)
+    _check_table_reads(block_table, lo, hi, num_blocks=k_cache.shape[0], block_size=block_size)
     for r in range(rows // rows_per_request):
         mine = slice(r * rows_per_request, (r + 1) * rows_per_request)
         # Query tile per KV head: row t = (request row i, head-in-group g) -> [Hkv, rows*group, d].

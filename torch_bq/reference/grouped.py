@@ -1,4 +1,4 @@
-"""Reference grouped (mixture-of-experts) linear math: one SPEC.md §4 linear per expert.
+"""Reference grouped (mixture-of-experts) linear math: one docs/contract.md §4 linear per expert.
 
 Rows of ``x`` are sorted by expert. ``offsets`` follows ``torch._grouped_mm``:
 an ``int32 [E]`` tensor of cumulative *end* offsets, so expert ``e`` owns rows
@@ -69,14 +69,16 @@ def _check_stacked(
 
 
 def check_fp8_grouped_args(x, weight, scale, offsets, bias, block, act_quant, act_peak, out_dtype) -> None:
-    """Raise on dtype/shape errors in ``fp8_grouped_linear``'s arguments (values are not read)."""
+    """Raise on dtype/shape/device errors in ``fp8_grouped_linear``'s arguments (values are not read)."""
+    linear.check_devices(x=x, weight=weight, weight_scale=scale, offsets=offsets, bias=bias)
     _check_stacked(x, weight, scale, offsets, bias)
     expert_bias = None if bias is None else bias[0]
     linear.check_fp8_linear_args(x, weight[0], scale[0], expert_bias, block, act_quant, act_peak, out_dtype)
 
 
 def check_fp4_grouped_args(x, weight, scale, offsets, bias, act_quant, act_peak, out_dtype) -> None:
-    """Raise on dtype/shape errors in ``fp4_grouped_linear``'s arguments (values are not read)."""
+    """Raise on dtype/shape/device errors in ``fp4_grouped_linear``'s arguments (values are not read)."""
+    linear.check_devices(x=x, weight=weight, weight_scale=scale, offsets=offsets, bias=bias)
     _check_stacked(x, weight, scale, offsets, bias)
     expert_bias = None if bias is None else bias[0]
     linear.check_fp4_linear_args(x, weight[0], scale[0], expert_bias, act_quant, act_peak, out_dtype)

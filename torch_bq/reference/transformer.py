@@ -1,4 +1,4 @@
-"""The elementwise pieces of the drafter layer (SPEC.md §5): Gemma RMSNorm, partial NeoX
+"""The elementwise pieces of the drafter layer (docs/contract.md §5): Gemma RMSNorm, partial NeoX
 RoPE and the clamped SwiGLU, as plain torch functions.
 
 Each computes in float32 and rounds once to bfloat16 at the end, which is where
@@ -70,7 +70,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """``bf16(g * sigmoid(alpha * g) * (u + 1))`` with ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``.
 
-    The gpt-oss style gated activation of SPEC.md §5 step 7 (alpha 1.702, limit 7),
+    The gpt-oss style gated activation of docs/contract.md §5 step 7 (alpha 1.702, limit 7),
     computed in float32.
 
     Args:

@@ -64,8 +64,8 @@ def decode_max_m(kernels, fmt: str, k: int) -> int:
 
 
 def _activation(kernels, x: torch.Tensor, act_quant: bool, act_peak: float) -> torch.Tensor:
-    """``A`` of SPEC.md §4 as contiguous float32 ``[M, K]``."""
-    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    """``A`` of docs/contract.md §4 as contiguous float32 ``[M, K]``."""
+    x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1]).to(torch.bfloat16).contiguous()
     if act_quant:
         return kernels.qdq_fp8(x2, float(act_peak), True)
     return x2.to(torch.float32)
@@ -90,6 +90,8 @@ def fp8_linear(
     if kernels is None:
         return ref.fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
     ref.check_fp8_linear_args(x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
+    if weight.shape[1] == 0:
+        return ref.zero_k_linear(x, weight.shape[0], bias, out_dtype)
     bn, bk = (int(b) for b in block)
     codes = scale if scale.dtype == torch.float32 else formats.as_e8m0_codes(scale)
     y = kernels.fp8_linear(
@@ -119,6 +121,8 @@ def fp4_linear(
     if kernels is None:
         return ref.fp4_linear(x, weight, scale, bias, act_quant, act_peak, out_dtype)
     ref.check_fp4_linear_args(x, weight, scale, bias, act_quant, act_peak, out_dtype)
+    if x.shape[-1] == 0:
+        return ref.zero_k_linear(x, weight.shape[0], bias, out_dtype)
     y = kernels.fp4_linear(
         _activation(kernels, x, act_quant, act_peak),
         formats.as_fp4_bytes(weight).contiguous(),
@@ -132,13 +136,11 @@ def fp4_linear(
 
 def qdq_fp8(x: torch.Tensor, peak: float) -> torch.Tensor:
     """``[..., K]`` float -> ``[..., K]`` bfloat16, bit-exact with :func:`torch_bq.formats.qdq_fp8`."""
+    formats.check_qdq_args(x, peak)
     kernels = _backend.cpu_kernels()
-    if kernels is None or not x.dtype.is_floating_point or not 0.0 < peak <= formats.FP8_MAX:
-        # The reference raises the argument errors.
+    if kernels is None:
         return formats.qdq_fp8(x, peak)
-    if x.dim() == 0:
-        return formats.qdq_fp8(x, peak)
-    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1]).to(torch.bfloat16).contiguous()
     return kernels.qdq_fp8(x2, float(peak), False).reshape(x.shape)
 
 

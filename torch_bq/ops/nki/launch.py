@@ -6,7 +6,7 @@ device gets. Nothing here imports ``nki``.
 
 What crosses into a kernel:
 
-* ``x``: ``[M, K]`` ``bfloat16`` (every op starts with ``bf16(x)``, SPEC.md §3-4);
+* ``x``: ``[M, K]`` ``bfloat16`` (every op starts with ``bf16(x)``, docs/contract.md §3-4);
 * fp8 weight: ``[N, K]`` ``uint8`` bytes (Trainium2's compiler rejects
   ``F8E4M3FN`` tensors) and ``[ceil(N/bn), K/bk]`` ``uint8`` e8m0 codes;
 * fp4 weight: ``[N, K/2]`` ``uint8`` packed nibbles and ``[N, K/32]`` ``uint8`` codes;
@@ -70,10 +70,10 @@ class KernelLaunch:
 
 
 def check_act_peak(act_quant: bool, act_peak: float) -> None:
-    """Refuse a qdq peak Trainium2's fp8 cannot honour (SPEC.md §3: never silently changed)."""
-    if act_quant and not 0.0 < act_peak <= TRN2_FP8_MAX:
+    """Refuse a qdq peak Trainium2's fp8 cannot honour (docs/contract.md §3: never silently changed)."""
+    if act_quant and not formats.MIN_ACT_PEAK <= act_peak <= TRN2_FP8_MAX:
         raise ValueError(
-            f"act_peak: the NKI kernels need 0 < act_peak <= {TRN2_FP8_MAX} because Trainium2's fp8 e4m3 "
+            f"act_peak: the NKI kernels need {formats.MIN_ACT_PEAK:g} <= act_peak <= {TRN2_FP8_MAX} because Trainium2's fp8 e4m3 "
             f"saturates at {TRN2_FP8_MAX}; got {act_peak}. Use the default 224, or run the 448 rule on a CPU backend."
         )
 
@@ -86,7 +86,7 @@ def _check_k(k: int, multiple: int, op: str) -> None:
 
 
 def _x2d(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    return x.reshape(x.shape[:-1].numel(), x.shape[-1]).to(torch.bfloat16).contiguous()
 
 
 def _bias_row(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""NKI GEMM kernels for the ``torch_bq::`` linear ops on Trainium2 (SPEC.md §4).
+"""NKI GEMM kernels for the ``torch_bq::`` linear ops on Trainium2 (docs/contract.md §4).
 
 Importing this module imports ``nki``; only the neuron registration and the
 tests do so. Arguments arrive laid out by :mod:`torch_bq.ops.nki.launch`.

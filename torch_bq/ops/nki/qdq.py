@@ -1,4 +1,4 @@
-"""Activation quant-dequant (SPEC.md §3) on SBUF tiles, and the standalone ``qdq_fp8_kernel``.
+"""Activation quant-dequant (docs/contract.md §3) on SBUF tiles, and the standalone ``qdq_fp8_kernel``.
 
 Importing this module imports ``nki``; only the neuron registration and the
 tests do so.
@@ -81,7 +81,7 @@ def _per_block(bits, rows, nb):
 
 @nki.jit
 def qdq_fp8_kernel(x, peak=224.0):
-    """Activation round trip of SPEC.md §3: ``[M, K]`` bf16 -> ``[M, K]`` bf16, ``K % 32 == 0``.
+    """Activation round trip of docs/contract.md §3: ``[M, K]`` bf16 -> ``[M, K]`` bf16, ``K % 32 == 0``.
 
     Tiling: 128 rows x 512 columns per step (partial last tiles are sliced, never padded
     into the output). Under LNC=2 the two cores take alternate row tiles.

@@ -1,4 +1,4 @@
-"""The weight and activation formats of SPEC.md §1-3: encode, decode, pack, validate.
+"""Codecs of the fp8, MXFP4 and e8m0 formats of docs/contract.md §1-3: encode, decode, pack, validate.
 
 Every function here is exact: quantizers produce the bytes the contract names,
 decoders produce the values the contract names, and validators raise
@@ -16,12 +16,16 @@ included, despite its name).
 
 from __future__ import annotations
 
-from typing import Sequence
+import numbers
+from typing import Optional, Sequence
 
 import torch
 
+from .descriptor import E2M1, E4M3FN, E8M0, FP4, FP8, check_block, dtype_error, get_format
+
 __all__ = [
     "FP8_MAX",
+    "MIN_ACT_PEAK",
     "FP4_MAX",
     "FP4_LUT",
     "E8M0_NAN",
@@ -48,13 +52,13 @@ __all__ = [
     "as_fp4_bytes",
 ]
 
-FP8_MAX = 448.0  # OCP E4M3FN largest finite value
-FP4_MAX = 6.0  # e2m1 largest finite value
+FP8_MAX = E4M3FN.max_value  # OCP E4M3FN largest finite value, 448
+FP4_MAX = E2M1.max_value  # e2m1 largest finite value, 6
 E8M0_BIAS = 127
 E8M0_NAN = 255
-DEFAULT_ACT_PEAK = 224.0  # Trainium2 saturates e4m3 at 240; see SPEC.md §3
+DEFAULT_ACT_PEAK = 224.0  # Trainium2 saturates e4m3 at 240; see docs/contract.md §3
 QDQ_BLOCK = 32  # activation blocks are 1x32 along K
-FP4_BLOCK = 32  # MXFP4 scales cover 1x32 along K
+FP4_BLOCK = FP4.default_block[1]  # MXFP4 scales cover 1x32 along K
 
 # e2m1 values by nibble (sign * 8 + code); also gpt-oss's table.
 FP4_LUT = torch.tensor(
@@ -64,39 +68,30 @@ FP4_LUT = torch.tensor(
 # Midpoints between consecutive e2m1 magnitudes; a tie goes to the even code.
 _FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
-_E8M0_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
-_FP8_DTYPES = (torch.uint8, torch.float8_e4m3fn)
-_FP4_DTYPES = (torch.uint8, torch.int8, torch.float4_e2m1fn_x2)
-
 
 # --------------------------------------------------------------------------- #
 # storage views
 # --------------------------------------------------------------------------- #
 
 
-def _dtype_error(name: str, tensor: torch.Tensor, allowed: Sequence[torch.dtype]) -> TypeError:
-    names = ", ".join(str(d) for d in allowed)
-    return TypeError(f"{name}: expected dtype in ({names}), got {tensor.dtype}")
-
-
 def as_e8m0_codes(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
     """View e8m0 scales (``uint8`` or ``float8_e8m0fnu``) as their ``uint8`` codes."""
-    if scale.dtype not in _E8M0_DTYPES:
-        raise _dtype_error(name, scale, _E8M0_DTYPES)
+    if scale.dtype not in E8M0.storage:
+        raise dtype_error(name, scale, E8M0.storage)
     return scale.view(torch.uint8)
 
 
 def as_fp8_bytes(data: torch.Tensor, name: str = "weight") -> torch.Tensor:
     """View fp8 data (``float8_e4m3fn`` or ``uint8``) as ``uint8`` bytes."""
-    if data.dtype not in _FP8_DTYPES:
-        raise _dtype_error(name, data, _FP8_DTYPES)
+    if data.dtype not in E4M3FN.storage:
+        raise dtype_error(name, data, E4M3FN.storage)
     return data.view(torch.uint8)
 
 
 def as_fp4_bytes(packed: torch.Tensor, name: str = "weight") -> torch.Tensor:
     """View packed fp4 (``uint8``, ``int8`` or ``float4_e2m1fn_x2``) as ``uint8`` bytes."""
-    if packed.dtype not in _FP4_DTYPES:
-        raise _dtype_error(name, packed, _FP4_DTYPES)
+    if packed.dtype not in E2M1.storage:
+        raise dtype_error(name, packed, E2M1.storage)
     return packed.view(torch.uint8)
 
 
@@ -115,12 +110,12 @@ def _scale_values(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
     """Scales as float32 multipliers: e8m0 codes are decoded, float32 passes through."""
     if scale.dtype == torch.float32:
         return scale
-    if scale.dtype in _E8M0_DTYPES:
+    if scale.dtype in E8M0.storage:
         return decode_e8m0(scale)
-    raise _dtype_error(name, scale, (*_E8M0_DTYPES, torch.float32))
+    raise dtype_error(name, scale, (*E8M0.storage, torch.float32))
 
 
-def _expand_blocks(scale: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
+def expand_blocks(scale: torch.Tensor, block: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
     """Broadcast a ``[ceil(N/bn), ceil(K/bk)]`` scale grid to ``[N, K]`` (partial blocks share)."""
     bn, bk = block
     n, k = shape
@@ -130,7 +125,7 @@ def _expand_blocks(scale: torch.Tensor, block: tuple[int, int], shape: tuple[int
 def dequantize_fp8(
     data: torch.Tensor,
     scale: torch.Tensor,
-    block: Sequence[int] = (32, 32),
+    block: Sequence[int] = FP8.default_block,
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Decode block-scaled fp8 weights.
@@ -140,16 +135,17 @@ def dequantize_fp8(
         scale: ``[ceil(N/bn), ceil(K/bk)]`` e8m0 codes (``float8_e8m0fnu``/``uint8``)
             or ``float32`` multipliers (DeepSeek-V3 ``weight_scale_inv``).
         block: ``(bn, bk)``; ``(1, 32)`` is MXFP8.
-        dtype: output dtype. With e8m0 scales every finite value is exact in bf16.
+        dtype: output dtype. ``float32`` holds every value exactly; bf16 too except at
+            extreme scale codes (docs/contract.md §1).
 
     Returns:
         ``[N, K]`` tensor of ``dtype`` with ``e4m3(data[n, k]) * scale[n // bn, k // bk]``
         (the product formed in float32).
     """
-    block = _check_block(block)
+    block = check_block(block)
     check_fp8_weight(data, scale, block)
     values = as_fp8_bytes(data).view(torch.float8_e4m3fn).to(torch.float32)
-    out = values * _expand_blocks(_scale_values(scale), block, tuple(data.shape))
+    out = values * expand_blocks(_scale_values(scale), block, tuple(data.shape))
     return out.to(dtype)
 
 
@@ -190,7 +186,8 @@ def dequantize_fp4(
             e2m1 values per byte, element ``2j`` in the low nibble.
         scale: ``[N, ceil(K/32)]`` e8m0 codes (``float8_e8m0fnu``/``uint8``).
         in_features: ``K``; defaults to ``2 * packed.shape[1]``. Must be that or one less.
-        dtype: output dtype; every finite value is exact in bf16.
+        dtype: output dtype. ``float32`` holds every value exactly; bf16 too except at
+            extreme scale codes (docs/contract.md §1).
 
     Returns:
         ``[N, K]`` tensor of ``dtype`` with ``LUT[nibble] * 2**(scale - 127)``.
@@ -198,12 +195,12 @@ def dequantize_fp4(
     k = 2 * packed.shape[-1] if in_features is None else in_features
     check_fp4_weight(packed, scale, k)
     values = FP4_LUT.to(packed.device)[unpack_fp4(packed, k).long()]
-    out = values * _expand_blocks(decode_e8m0(scale), (1, FP4_BLOCK), (packed.shape[0], k))
+    out = values * expand_blocks(decode_e8m0(scale), (1, FP4_BLOCK), (packed.shape[0], k))
     return out.to(dtype)
 
 
 # --------------------------------------------------------------------------- #
-# quantizers (SPEC.md §2)
+# quantizers (docs/contract.md §2)
 # --------------------------------------------------------------------------- #
 
 
@@ -224,7 +221,7 @@ def _exp2i(exponent: torch.Tensor) -> torch.Tensor:
     return decode_e8m0((exponent + E8M0_BIAS).to(torch.uint8))
 
 
-def _pad_to_blocks(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def pad_to_blocks(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     bn, bk = block
     n, k = w.shape
     return torch.nn.functional.pad(w, (0, -k % bk, 0, -n % bn))
@@ -232,10 +229,10 @@ def _pad_to_blocks(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 def quantize_fp8(
     w: torch.Tensor,
-    block: Sequence[int] = (32, 32),
+    block: Sequence[int] = FP8.default_block,
     scale_dtype: torch.dtype = torch.float8_e8m0fnu,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a float weight to block-scaled fp8 (SPEC.md §2).
+    """Quantize a float weight to block-scaled fp8 (docs/contract.md §2).
 
     Each ``bn x bk`` block gets the power-of-two scale ``2**ceil(log2(amax / 448))``
     (never saturates; an all-zero block gets 1.0) and its elements are rounded
@@ -252,16 +249,13 @@ def quantize_fp8(
         ``(data, scale)``: ``data`` ``[N, K]`` ``float8_e4m3fn``;
         ``scale`` ``[ceil(N/bn), ceil(K/bk)]`` of ``scale_dtype``.
     """
-    block = _check_block(block)
+    block = check_block(block)
     _check_float_matrix(w, "w")
-    if scale_dtype not in (*_E8M0_DTYPES, torch.float32):
-        raise TypeError(
-            f"scale_dtype: expected torch.float8_e8m0fnu, torch.uint8 or torch.float32, got {scale_dtype}"
-        )
+    FP8.scale_encoding(scale_dtype, "scale_dtype")
     w32 = _finite_float32(w, "w")
     n, k = w.shape
     bn, bk = block
-    blocks = _pad_to_blocks(w32, block).unflatten(0, (-1, bn)).unflatten(2, (-1, bk))
+    blocks = pad_to_blocks(w32, block).unflatten(0, (-1, bn)).unflatten(2, (-1, bk))
     amax = blocks.abs().amax(dim=(1, 3)).to(torch.float64)  # [N/bn, K/bk]
     exponent = torch.where(
         amax > 0, _ceil_log2(amax / FP8_MAX), torch.zeros_like(amax, dtype=torch.int32)
@@ -269,7 +263,7 @@ def quantize_fp8(
     # w * 2**-e is exact in float32 (a power-of-two rescale that stays in range or
     # underflows to a value that rounds to zero in e4m3 anyway).
     inv = _exp2i(-exponent)
-    data = (w32 * _expand_blocks(inv, block, (n, k))).to(torch.float8_e4m3fn)
+    data = (w32 * expand_blocks(inv, block, (n, k))).to(torch.float8_e4m3fn)
     if scale_dtype == torch.float32:
         scale = _exp2i(exponent)
     else:
@@ -288,7 +282,7 @@ def _round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp4(w: torch.Tensor, rounding: str = "ceil") -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a float weight to OCP MXFP4 (1x32 blocks, e8m0 scales; SPEC.md §2).
+    """Quantize a float weight to OCP MXFP4 (1x32 blocks, e8m0 scales; docs/contract.md §2).
 
     Args:
         w: ``[N, K]`` float tensor, finite.
@@ -306,7 +300,7 @@ def quantize_fp4(w: torch.Tensor, rounding: str = "ceil") -> tuple[torch.Tensor,
     _check_float_matrix(w, "w")
     w32 = _finite_float32(w, "w")
     n, k = w.shape
-    blocks = _pad_to_blocks(w32, (1, FP4_BLOCK)).unflatten(1, (-1, FP4_BLOCK))
+    blocks = pad_to_blocks(w32, (1, FP4_BLOCK)).unflatten(1, (-1, FP4_BLOCK))
     amax = blocks.abs().amax(dim=2).to(torch.float64)  # [N, K/32]
     positive = amax > 0
     safe = torch.where(positive, amax, torch.ones_like(amax))
@@ -317,14 +311,14 @@ def quantize_fp4(w: torch.Tensor, rounding: str = "ceil") -> tuple[torch.Tensor,
     exponent = torch.where(positive, exponent, torch.zeros_like(exponent))
     exponent = exponent.clamp(-E8M0_BIAS, E8M0_BIAS)
     inv = _exp2i(-exponent)
-    v = (w32 * _expand_blocks(inv, (1, FP4_BLOCK), (n, k))).clamp(-FP4_MAX, FP4_MAX)
+    v = (w32 * expand_blocks(inv, (1, FP4_BLOCK), (n, k))).clamp(-FP4_MAX, FP4_MAX)
     packed = pack_fp4(_round_to_e2m1(v))
     scale = (exponent + E8M0_BIAS).to(torch.uint8).view(torch.float8_e8m0fnu)
     return packed, scale
 
 
 # --------------------------------------------------------------------------- #
-# activation quant-dequant (SPEC.md §3)
+# activation quant-dequant (docs/contract.md §3)
 # --------------------------------------------------------------------------- #
 
 
@@ -367,10 +361,7 @@ def qdq_fp8(x: torch.Tensor, peak: float = DEFAULT_ACT_PEAK) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 
 
-def _check_block(block: Sequence[int]) -> tuple[int, int]:
-    if len(block) != 2 or any(int(b) < 1 for b in block):
-        raise ValueError(f"block: expected two positive ints (bn, bk), got {tuple(block)}")
-    return int(block[0]), int(block[1])
+_check_block = check_block  # the old private name; use check_block
 
 
 def _check_float_matrix(w: torch.Tensor, name: str) -> None:
@@ -381,10 +372,9 @@ def _check_float_matrix(w: torch.Tensor, name: str) -> None:
 
 
 def fp8_scale_shape(shape: Sequence[int], block: Sequence[int]) -> tuple[int, int]:
-    """``[ceil(N/bn), ceil(K/bk)]`` for an ``[N, K]`` weight."""
+    """``[ceil(N/bn), ceil(K/bk)]`` for an ``[N, K]`` weight (``FP8.scale_shape``)."""
     n, k = shape
-    bn, bk = block
-    return -(-n // bn), -(-k // bk)
+    return FP8.scale_shape(n, k, block)
 
 
 def check_fp8_weight(
@@ -394,51 +384,37 @@ def check_fp8_weight(
 
     Does not scan values; use :func:`find_nan_codes` for that.
     """
-    block = _check_block(block)
-    as_fp8_bytes(data, name)
-    if scale.dtype not in (*_E8M0_DTYPES, torch.float32):
-        raise _dtype_error(f"{name}_scale", scale, (*_E8M0_DTYPES, torch.float32))
-    if data.dim() != 2:
-        raise ValueError(f"{name}: expected a 2-D [N, K] tensor, got shape {tuple(data.shape)}")
-    expected = fp8_scale_shape(data.shape, block)
-    if tuple(scale.shape) != expected:
-        raise ValueError(
-            f"{name}_scale: expected shape {list(expected)} for a {list(data.shape)} weight "
-            f"with block {list(block)}, got {list(scale.shape)}"
-        )
+    FP8.check(data, scale, block=block, name=name)
 
 
 def check_fp4_weight(
     packed: torch.Tensor, scale: torch.Tensor, in_features: int, name: str = "weight"
 ) -> None:
     """Raise unless ``packed``/``scale`` form a valid MXFP4 weight with ``in_features`` columns."""
-    as_fp4_bytes(packed, name)
-    as_e8m0_codes(scale, f"{name}_scale")
-    if packed.dim() != 2:
-        raise ValueError(f"{name}: expected a 2-D [N, ceil(K/2)] tensor, got shape {tuple(packed.shape)}")
-    n = packed.shape[0]
-    if -(-in_features // 2) != packed.shape[1]:
-        raise ValueError(
-            f"{name}: expected shape [N, {-(-in_features // 2)}] (ceil(K/2)) for K={in_features}, "
-            f"got {list(packed.shape)}"
-        )
-    expected = (n, -(-in_features // FP4_BLOCK))
-    if tuple(scale.shape) != expected:
-        raise ValueError(
-            f"{name}_scale: expected shape {list(expected)} for K={in_features} "
-            f"(one e8m0 code per 1x32 block), got {list(scale.shape)}"
-        )
+    FP4.check(packed, scale, in_features=in_features, name=name)
+
+
+#: The smallest qdq peak: with ``peak >= 4`` every finite bf16 block (amax below 2**128)
+#: gets a scale ``s <= 2**126`` whose reciprocal, which qdq multiplies by, is a normal
+#: float32 (and an e8m0 code). A smaller peak turns large activations into zeros or
+#: NaN, and a tiny one (1e-30) flushes every ``q`` below e4m3's smallest subnormal.
+MIN_ACT_PEAK = 4.0
 
 
 def check_peak(peak: float, name: str = "act_peak") -> None:
-    """Raise ``ValueError`` unless ``0 < peak <= 448`` (the qdq peak of SPEC.md §3)."""
-    if not 0.0 < peak <= FP8_MAX:
-        short = name.rsplit(".", 1)[-1]
-        raise ValueError(f"{name}: expected 0 < {short} <= {FP8_MAX}, got {peak}")
+    """Raise unless ``4 <= peak <= 448`` (the qdq peak of docs/contract.md §3; see :data:`MIN_ACT_PEAK`)."""
+    short = name.rsplit(".", 1)[-1]
+    if isinstance(peak, bool) or not isinstance(peak, numbers.Real):
+        raise TypeError(f"{name}: expected a float, got {type(peak).__name__}")
+    if not MIN_ACT_PEAK <= peak <= FP8_MAX:
+        raise ValueError(
+            f"{name}: expected {MIN_ACT_PEAK:g} <= {short} <= {FP8_MAX:g} (smaller peaks push the block "
+            f"scales out of float32/e8m0 range), got {peak}"
+        )
 
 
 def check_qdq_args(x: torch.Tensor, peak: float) -> None:
-    """Raise on a non-float or 0-d ``x`` or a peak outside ``(0, 448]`` (``qdq_fp8``'s arguments)."""
+    """Raise on a non-float or 0-d ``x`` or a peak outside ``[4, 448]`` (``qdq_fp8``'s arguments)."""
     if not x.dtype.is_floating_point:
         raise TypeError(f"x: expected a floating-point dtype, got {x.dtype}")
     check_peak(peak, "peak")
@@ -470,35 +446,14 @@ def find_nan_codes(
     name: str = "weight",
     fmt: str = "fp8",
     in_features: int | None = None,
+    tensor_scale: Optional[torch.Tensor] = None,
 ) -> None:
-    """Raise ``ValueError`` if a weight holds NaN codes (SPEC.md §1: corruption, not a weight).
+    """Raise ``ValueError`` if a weight holds NaN codes (docs/contract.md §1: corruption, not a weight).
 
-    Checks e8m0 scale codes (255), fp8 data bytes (0x7F/0xFF) when ``fmt="fp8"``,
-    and for ``fmt="fp4"`` with odd ``in_features`` the padding nibble (must be 0).
-    The message names the tensor and the first bad index.
+    ``fmt`` is any format name (:func:`torch_bq.formats.get_format`); the checks are
+    :meth:`WeightFormat.find_nan_codes`: e8m0 scale codes 255, fp8 data bytes 0x7F/0xFF,
+    float32/e4m3 scales that are not positive and finite, and for the packed formats
+    with odd ``in_features`` the padding nibble (must be 0). The message names the
+    tensor and the first bad index.
     """
-    if scale is not None and scale.dtype in _E8M0_DTYPES:
-        _raise_first(as_e8m0_codes(scale) == E8M0_NAN, f"{name}_scale", "NaN e8m0 code 255")
-    if scale is not None and scale.dtype == torch.float32:
-        _raise_first(~torch.isfinite(scale) | (scale <= 0), f"{name}_scale", "a non-finite or non-positive scale")
-    if data is None:
-        return
-    if fmt == "fp8":
-        _raise_first((as_fp8_bytes(data, name) & 0x7F) == 0x7F, name, "NaN e4m3 code 0x7F/0xFF")
-    elif fmt == "fp4":
-        if in_features is not None and in_features % 2:
-            packed = as_fp4_bytes(data, name)
-            pad = packed[:, -1:] >> 4
-            # Index into the packed tensor, not into the one-column slice scanned.
-            last = [0, packed.shape[1] - 1]
-            _raise_first(pad != 0, name, f"a non-zero padding nibble (K={in_features} is odd)", offset=last)
-    else:
-        raise ValueError(f"fmt: expected 'fp8' or 'fp4', got {fmt!r}")
-
-
-def _raise_first(bad: torch.Tensor, name: str, what: str, offset: Sequence[int] = ()) -> None:
-    if bool(bad.any()):
-        index = [int(i) for i in bad.nonzero()[0]]
-        index = [i + o for i, o in zip(index, offset)] + index[len(offset):]
-        raise ValueError(f"{name}: found {what} at index {index}; the tensor is corrupt")
-
+    get_format(fmt).find_nan_codes(data, scale, in_features=in_features, tensor_scale=tensor_scale, name=name)
