@@ -514,7 +514,7 @@ void run_tasks(int64_t count, const Task& task) {
 // --------------------------------------------------------------------------
 //
 // For 32-wide e8m0 blocks (fp8 bk = 32, MXFP4). Every decoded weight and
-// every A value is exact in bf16 (SPEC.md §1), so a bf16 x bf16 product is
+// every A value is exact in bf16 (docs/contract.md §1), so a bf16 x bf16 product is
 // exact in fp32; vdpbf16ps adds two such products into an fp32 lane, which
 // is fp32 accumulation in another order. The block scale (a power of two)
 // is applied to each block's fp32 partial sum, exactly as the scalar path
