@@ -25,10 +25,12 @@ IMPLS = ["fast", "reference"]
 
 
 @pytest.fixture(params=IMPLS)
-def impl(request, monkeypatch):
-    if request.param == "reference":
-        monkeypatch.setattr(_backend, "cpu_kernel_ops", None)
-    return request.param
+def impl(request):
+    if request.param == "reference":  # the ops' reference bodies: the fast CPU kernels switched off
+        with _backend.fast_kernels_disabled("cpu"):
+            yield request.param
+    else:
+        yield request.param
 
 
 def _fp8(n=16, k=64, block=(32, 32)):
