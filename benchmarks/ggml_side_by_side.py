@@ -115,7 +115,10 @@ def ggml_source(cache: Path) -> Path:
             )
     with tarfile.open(sdist) as tar:
         members = [m for m in tar.getmembers() if "/vendor/llama.cpp/ggml/" in m.name]
-        tar.extractall(cache, members=members, filter="data")
+        try:
+            tar.extractall(cache, members=members, filter="data")
+        except TypeError:  # Python without tarfile extraction filters
+            tar.extractall(cache, members=members)
     return ggml
 
 
