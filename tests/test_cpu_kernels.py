@@ -402,6 +402,109 @@ def test_prefill_panels_do_not_shrink_with_large_k(level):
 
 
 # --------------------------------------------------------------------------- #
+# every row count to 64 on each path, and the decode / panel boundary
+# --------------------------------------------------------------------------- #
+
+ROW_COUNTS = list(range(1, 34)) + [40, 47, 48, 63, 64]
+
+
+@pytest.fixture(params=["decode", "panel", "auto"])
+def path(request, monkeypatch):
+    """Force every M onto the decode path, onto the panel path, or leave the boundary to decode_max_m."""
+    if request.node.callspec.params.get("impl") == "reference" and request.param != "auto":
+        pytest.skip("the reference has no decode / panel paths")
+    if request.param == "decode":
+        monkeypatch.setattr(fast, "decode_max_m", lambda kernels, fmt, k: 1 << 30)
+    elif request.param == "panel":
+        monkeypatch.setattr(fast, "decode_max_m", lambda kernels, fmt, k: 0)
+    return request.param
+
+
+# K: whole 64-groups, a trailing half group (one 32-block), partial blocks, odd K (fp4 padding nibble).
+@impls
+@pytest.mark.parametrize("k", [128, 96, 97, 130])
+def test_fp8_every_row_count(impl, path, k):
+    torch.manual_seed(k)
+    n = 21  # not a multiple of the 4-row tiles or the 16-row tasks
+    for block, scale_dtype in (((32, 32), torch.float8_e8m0fnu), ((1, 32), torch.uint8), ((128, 128), torch.float32)):
+        d, s = formats.quantize_fp8(torch.randn(n, k), block, scale_dtype)
+        w = formats.dequantize_fp8(d, s, block, torch.float32)
+        x = torch.randn(max(ROW_COUNTS), k) * 4.0
+        for m in ROW_COUNTS:
+            for act_quant in (True, False):
+                y = FP8[impl](x[:m], d, s, None, list(block), act_quant, 224.0, torch.float32)
+                assert_linear_close(y, operand(x[:m], act_quant), w, msg=f"{path} {block} M={m} act_quant={act_quant}")
+
+
+@impls
+@pytest.mark.parametrize("k", [128, 96, 97, 130])
+def test_fp4_every_row_count(impl, path, k):
+    torch.manual_seed(k + 1)
+    n = 21
+    p, s = formats.quantize_fp4(torch.randn(n, k))
+    w = formats.dequantize_fp4(p, s, k, torch.float32)
+    x = torch.randn(max(ROW_COUNTS), k) * 4.0
+    for m in ROW_COUNTS:
+        for act_quant in (True, False):
+            y = FP4[impl](x[:m], p, s, None, act_quant, 448.0, torch.float32)
+            assert_linear_close(y, operand(x[:m], act_quant, 448.0), w, msg=f"{path} M={m} act_quant={act_quant}")
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="needs the compiled kernels")
+@pytest.mark.parametrize("level", LEVELS)
+def test_decode_kernels_and_boundary_per_level(level):
+    """The avx512_bf16 library runs the bf16 dot-product decode kernels, avx2 and avx512 the fp32
+    AVX2 ones, generic the scalar ones; the decode/panel boundary follows them."""
+    kernels = _backend.cpu_kernels(level)
+    assert kernels is not None, f"{level} did not load"
+    isa = kernels.decode_isa()
+    assert isa == {"generic": "generic", "avx2": "avx2", "avx512": "avx2", "avx512_bf16": "avx512_bf16"}[level]
+    for fmt in ("fp8", "fp4"):
+        assert fast.decode_max_m(kernels, fmt, 4096) == fast.DECODE_MAX_M[isa][fmt]
+        assert 1 <= fast.decode_max_m(kernels, fmt, 1 << 20) <= fast.DECODE_MAX_M[isa][fmt]
+
+
+@impls
+@pytest.mark.parametrize("m", [1, 3, 4, 8, 33])
+@pytest.mark.parametrize("exponent", [-100, -109, -111, -117, -119, -125, -127, -131])
+def test_tiny_activations(impl, m, exponent, path):
+    """bf16 activations near and below the normal range (act_quant off) against large weights,
+    so every product and sum is a normal fp32 number and the exact result is in reach. The bf16
+    dot-product kernels read subnormal inputs as zero and flush subnormal results, so they must
+    hand such calls to the fp32 kernels."""
+    torch.manual_seed(-exponent)
+    k = 96
+    x = (torch.randn(m, k) * 2.0**exponent).to(torch.bfloat16)
+    d, s = formats.quantize_fp8(torch.randn(20, k) * 2.0**40, (1, 32))
+    p, s4 = formats.quantize_fp4(torch.randn(20, k) * 2.0**40)
+    y8 = FP8[impl](x, d, s, None, [1, 32], False, 224.0, torch.float32)
+    assert_linear_close(y8, x, formats.dequantize_fp8(d, s, (1, 32), torch.float32))
+    y4 = FP4[impl](x, p, s4, None, False, 224.0, torch.float32)
+    assert_linear_close(y4, x, formats.dequantize_fp4(p, s4, k, torch.float32))
+
+
+@impls
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 8, 16])
+@pytest.mark.parametrize("low", [True, False], ids=["codes 0-3", "codes 250-253"])
+def test_fp4_extreme_scale_codes(impl, m, low, path):
+    """e8m0 codes at both ends: below 2 a scale folded into bf16 weights is no longer a normal
+    bf16 (the bf16 kernels read it as zero), near 253 large values overflow. Each row mixes
+    them with an ordinary code, so a tile holds blocks the folded path may take and blocks it
+    must refuse; the activation is sized so the extreme blocks carry the result."""
+    k, n = 32 * 8, 12
+    row = [0, 1, 2, 3, 127, 2, 1, 0] if low else [253, 252, 251, 127, 250, 253, 252, 251]
+    codes = torch.tensor(row, dtype=torch.uint8).repeat(n, 1)
+    codes[::2] = codes[::2].flip(1)
+    torch.manual_seed(m)
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8) & 0x55  # values 0, 0.5, 2, 3: finite at 253
+    w = formats.dequantize_fp4(packed, codes, k, torch.float32)
+    assert torch.isfinite(w).all()
+    x = torch.randn(m, k) * (2.0**100 if low else 2.0**-100)
+    y = FP4[impl](x, packed, codes, None, False, 224.0, torch.float32)
+    assert_linear_close(y, x.to(torch.bfloat16), w)
+
+
+# --------------------------------------------------------------------------- #
 # threads and determinism
 # --------------------------------------------------------------------------- #
 
@@ -410,7 +513,7 @@ def test_prefill_panels_do_not_shrink_with_large_k(level):
 @pytest.mark.parametrize("m", [1, 5, 16, 40])
 def test_threads_and_determinism(impl, m, threads):
     """The same inputs give the same bits on every call for a fixed thread count, and
-    the right answer at 1 and 2 threads. Decode rows (M <= 16) are each summed by one
+    the right answer at 1 and 2 threads. Decode rows (M <= decode_max_m) are each summed by one
     thread in a fixed order, so there the bits do not depend on the thread count either."""
     torch.manual_seed(m)
     n, k = 300, 520
@@ -427,7 +530,7 @@ def test_threads_and_determinism(impl, m, threads):
         assert_linear_close(y8, operand(x, True), formats.dequantize_fp8(d, s, (1, 32), torch.float32))
         assert_linear_close(y4, operand(x, True), formats.dequantize_fp4(p, s4, k, torch.float32))
         results[count] = (y8, y4)
-    if impl != "reference" and m <= fast.DECODE_MAX_M:
+    if impl != "reference" and m <= min(fast.decode_max_m(_backend.cpu_kernels(impl), f, k) for f in ("fp8", "fp4")):
         for one, two in zip(results[1], results[2]):
             assert torch.equal(bits(one), bits(two))
 

@@ -42,6 +42,8 @@
 //   decoder needs no interleave.
 //   Each output element is produced by one task in a fixed order, so the
 //   result does not depend on the thread count.
+//   With AVX-512 BF16 (TORCH_BQ_AVX512_BF16), 32-wide e8m0 blocks take the
+//   bf16 dot-product kernels instead: section "decode path, AVX-512 BF16".
 // Prefill (M > decode_max_m): a panel of P rows of W (P*K*4 <= panel_bytes) is
 //   dequantized to fp32 in parallel, then at::mm(A, panel^T) (MKL/oneDNN)
 //   produces out[:, n0:n0+P]. Extra memory: the panel plus an [M, P] result,
@@ -256,7 +258,7 @@ inline float folded_scale(const float* s, int64_t i, bool& ok) {
 // then takes over. Needs MXCSR.DAZ clear (the decoded subnormals are inputs).
 template <int NT>
 int64_t fp8_row_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* a, int64_t K,
-                         __m256* acc) {
+                         __m256* acc, const uint8_t* ahead) {
   __m256 acc_odd[NT];
   for (int j = 0; j < NT; ++j) acc_odd[j] = _mm256_setzero_ps();
   int64_t b = 0;
@@ -265,6 +267,8 @@ int64_t fp8_row_blocks32(const uint8_t* const* rows, const uint8_t* const* scale
     for (int j = 0; j < NT; ++j) max_code = std::max<uint32_t>(max_code, scale_rows[j][b]);
     if (max_code > 134) break;
     const int64_t k = b * 32;
+    for (int c = 0; c < NT / 2; ++c)  // the next rows' share for this block (see dot_tile)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + (b * (NT / 2) + c) * 64), _MM_HINT_T0);
     const __m256 a0 = _mm256_loadu_ps(a + k), a1 = _mm256_loadu_ps(a + k + 8);
     const __m256 a2 = _mm256_loadu_ps(a + k + 16), a3 = _mm256_loadu_ps(a + k + 24);
     for (int j = 0; j < NT; ++j) {
@@ -287,8 +291,10 @@ int64_t fp8_row_blocks32(const uint8_t* const* rows, const uint8_t* const* scale
 // factored out of the block's partial sum (exact). Covers blocks [0, K/32).
 template <int NT>
 int64_t fp4_row_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* a_split,
-                         int64_t K, __m256* acc) {
+                         int64_t K, __m256* acc, const uint8_t* ahead) {
   for (int64_t b = 0; b < K / 32; ++b) {
+    if (b % 4 == 0)  // the next rows' share for these four blocks (see dot_tile)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + b * NT * 16), _MM_HINT_T0);
     const float* a = a_split + b * 32;
     const __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8);
     const __m256 a2 = _mm256_loadu_ps(a + 16), a3 = _mm256_loadu_ps(a + 24);
@@ -348,11 +354,16 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
     for (int i = 0; i < MT; ++i)
       for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_setzero_ps();
     int64_t b = 0;
+    // The weight streams from memory in NT short rows, too short for the
+    // hardware prefetchers to ramp up, so the single-row loops also prefetch
+    // NT rows two tiles ahead (contiguous with these; one tile ahead measured
+    // 10-25% slower at M = 1 on a Zen 5).
+    const uint8_t* ahead = w.data + (n0 + 2 * NT) * w.row_stride;
     if constexpr (kFactorScale && std::is_same_v<Fmt, Fp8Format>) {
-      if (w.bk == 32 && !denormals_are_zero()) b = fp8_row_blocks32<NT>(rows, srows, arows[0], K, acc[0]);
+      if (w.bk == 32 && !denormals_are_zero()) b = fp8_row_blocks32<NT>(rows, srows, arows[0], K, acc[0], ahead);
     }
     if constexpr (kFactorScale && std::is_same_v<Fmt, Fp4Format>) {
-      if (a_split != nullptr) b = fp4_row_blocks32<NT>(rows, srows, a_split + m0 * K, K, acc[0]);
+      if (a_split != nullptr) b = fp4_row_blocks32<NT>(rows, srows, a_split + m0 * K, K, acc[0], ahead);
     }
     for (; b < nblocks; ++b) {
       const int64_t k0 = b * w.bk, k1 = std::min(K, k0 + w.bk);
@@ -595,8 +606,628 @@ void run_tasks(int64_t count, const Task& task) {
                            &task);
 }
 
+#if defined(TORCH_BQ_AVX512_BF16)  // vdpbf16ps, vpermi2b, AVX-512 BW
+#define TORCH_BQ_DOT_BF16 1
+// --------------------------------------------------------------------------
+// decode path, AVX-512 BF16: weights decoded to bf16 and vdpbf16ps
+// --------------------------------------------------------------------------
+//
+// For 32-wide e8m0 blocks (fp8 bk = 32, MXFP4). Every decoded weight and
+// every A value is exact in bf16 (docs/contract.md §1), so a bf16 x bf16 product is
+// exact in fp32; vdpbf16ps adds two such products into an fp32 lane, which
+// is fp32 accumulation in another order. The block scale (a power of two)
+// is applied to each block's fp32 partial sum, exactly as the scalar path
+// factors it out.
+//
+// vdpbf16ps reads subnormal inputs as zero and flushes subnormal results
+// (it ignores MXCSR). The decoded weights are normal or zero (fp8: e4m3 is
+// at least 2**-9; fp4: at least 0.5), so only A matters: every product is a
+// multiple of 2**(e_a - 7 - 9) (fp8) or 2**(e_a - 7 - 1) (fp4), where e_a is
+// the smallest exponent of a nonzero A value, and so is every partial sum;
+// when that quantum is at least 2**-126 nothing is ever subnormal and the
+// instruction is exact IEEE arithmetic. A call whose A has a smaller
+// exponent (or values that are not bf16) takes the fp32 path instead.
+//
+// Layout: K in groups of 64 elements (two 32-blocks). A group of a weight row
+// decodes to two registers of 32 bf16 words in an order that is cheapest to
+// produce (Fp8Dot::element / Fp4Dot::element say which element each word
+// holds); A is copied once per call into bf16 [M, Kp] (Kp = K rounded up to
+// 64, zero padded) with every group in that same order. In both orders fp32
+// lanes 0-7 of the dot product hold the group's first block and lanes 8-15
+// its second, so one register of 16 lane scales serves the group.
+//   for n-tile (NT rows): for m-tile (MT rows): for 16-block span:
+//     s16 = e8m0 scales of the span (per row)
+//     for group g: w0, w1 = decode(W[n, g]); for m: t = dot(w0, A0) + dot(w1, A1)
+//                  acc[m][n] += t * s16[lanes of g]
+// Tiles: up to 3 rows, NT = 4 weight rows x MT = 1-3 rows with the per-lane
+// scales above. From 4 rows the scales move out of the inner loop: MXFP4
+// folds them into the decoded weights (fp4_scaled_tile), fp8 with row-block
+// scales into a per-task copy of A (fp8_prescaled_rows); both run NT = 4 x
+// MT <= 4 register tiles, one accumulator each, two vdpbf16ps per group;
+// from 5 rows the first row tile also stores the decoded weights to an L2
+// scratch that the later row tiles read (scratch_tile). Other fp8 blocks
+// (1 x 32) keep the per-lane scales: NT = 2 x MT <= 8 up to 8 rows, then
+// NT = 1 x MT <= 8. Tiles prefetch the weight rows two tiles ahead (and their
+// scales): short row streams do not train the hardware prefetchers.
+// Row tiles of 1-2 rows keep two accumulators per pair (one dependent
+// vdpbf16ps per group); still, M = 5 (two row tiles) costs 1.25-1.4x per row
+// what M = 4 does.
+namespace dotbf16 {
+
+constexpr int64_t kGroup = 64;
+
+// fp8: 64 bytes -> two 128-entry byte lookups (high and low byte of the bf16
+// encoding of each e4m3 magnitude, subnormals included), the sign ORed into
+// the high byte, then an in-lane byte interleave: word q of the first
+// register is element 16 * (q / 8) + q % 8, of the second 8 more.
+struct Fp8Dot {
+  static constexpr int kMinExponentA = -126 + 7 + 9;
+  static constexpr int64_t kGroupBytes = 64;
+  static int64_t element(int64_t word) {
+    const int64_t half = word / 32, q = word % 32;
+    return 16 * (q / 8) + 8 * half + q % 8;
+  }
+  __m512i hi0, hi1, lo0, lo1;
+  Fp8Dot() {
+    alignas(64) uint8_t hi[128], lo[128];
+    for (int c = 0; c < 128; ++c) {
+      const uint32_t b = bits_from_f32(kTables.e4m3[c]);  // exact in bf16: the low 16 bits are 0
+      hi[c] = static_cast<uint8_t>(b >> 24);
+      lo[c] = static_cast<uint8_t>(b >> 16);
+    }
+    hi0 = _mm512_load_si512(hi);
+    hi1 = _mm512_load_si512(hi + 64);
+    lo0 = _mm512_load_si512(lo);
+    lo1 = _mm512_load_si512(lo + 64);
+  }
+  void decode(const uint8_t* row, int64_t g, __m512i& w0, __m512i& w1) const {
+    bytes(_mm512_loadu_si512(row + g * 64), w0, w1);
+  }
+  void decode_masked(const uint8_t* row, int64_t g, __mmask64 valid, __m512i& w0, __m512i& w1) const {
+    bytes(_mm512_maskz_loadu_epi8(valid, row + g * 64), w0, w1);
+  }
+  void bytes(__m512i b, __m512i& w0, __m512i& w1) const {
+    __m512i hi = _mm512_permutex2var_epi8(hi0, b, hi1);  // index bits 0-6: the magnitude
+    const __m512i lo = _mm512_permutex2var_epi8(lo0, b, lo1);
+    hi = _mm512_ternarylogic_epi32(hi, b, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // hi | (b & 0x80)
+    w0 = _mm512_unpacklo_epi8(lo, hi);
+    w1 = _mm512_unpackhi_epi8(lo, hi);
+  }
+  static __mmask64 valid_bytes(int64_t row_bytes, int64_t g) {
+    const int64_t left = row_bytes - g * 64;
+    return left >= 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
+  }
+};
+
+// MXFP4: 32 bytes zero-extended to words; a 16-bit lookup of the low nibble
+// (index bits 0-4, so the table is the 16 e2m1 values twice) gives the even
+// elements, of the word shifted right by 4 the odd ones: word q of the first
+// register is element 2q, of the second 2q + 1.
+struct Fp4Dot {
+  static constexpr int kMinExponentA = -126 + 7 + 1;
+  static constexpr int64_t kGroupBytes = 32;
+  static int64_t element(int64_t word) { return word < 32 ? 2 * word : 2 * (word - 32) + 1; }
+  __m512i lut;
+  Fp4Dot() {
+    alignas(64) uint16_t t[32];
+    for (int i = 0; i < 32; ++i) t[i] = static_cast<uint16_t>(bits_from_f32(kTables.fp4[i % 16]) >> 16);
+    lut = _mm512_load_si512(t);
+  }
+  void decode(const uint8_t* row, int64_t g, __m512i& w0, __m512i& w1) const {
+    bytes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 32)), w0, w1);
+  }
+  void decode_masked(const uint8_t* row, int64_t g, __mmask32 valid, __m512i& w0, __m512i& w1) const {
+    bytes(_mm256_maskz_loadu_epi8(valid, row + g * 32), w0, w1);
+  }
+  void bytes(__m256i raw, __m512i& w0, __m512i& w1) const {
+    const __m512i b = _mm512_cvtepu8_epi16(raw);
+    w0 = _mm512_permutexvar_epi16(b, lut);
+    w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut);
+  }
+  static __mmask32 valid_bytes(int64_t row_bytes, int64_t g) {
+    const int64_t left = row_bytes - g * 32;
+    return left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
+  }
+};
+
+template <class Fmt>
+struct DotFor;
+template <>
+struct DotFor<Fp8Format> {
+  using type = Fp8Dot;
+};
+template <>
+struct DotFor<Fp4Format> {
+  using type = Fp4Dot;
+};
+
+// The e8m0 values of up to 16 consecutive block codes (masked-off ones read
+// as code 0): exact, 2**-127 (an fp32 subnormal) and NaN included.
+inline __m512 e8m0x16(const uint8_t* codes, __mmask16 valid) {
+  const __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(valid, codes));
+  __m512i bits = _mm512_slli_epi32(c, 23);
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(c, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(c, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(bits);
+}
+
+// A [M, K] fp32 -> bf16 [M, Kp] in the decoder's word order, zero padded.
+// Returns the smallest exponent field of a nonzero A value (255 when A is all
+// zero), or -1 when a value is not exactly bf16 (then A cannot take this path);
+// the largest field goes to *max_field_out (0 when A is all zero).
+template <class D>
+int prepare_activation(const float* A, int64_t M, int64_t K, int64_t kp, uint16_t* dst, int* max_field_out) {
+  int64_t source[kGroup];
+  for (int64_t j = 0; j < kGroup; ++j) source[j] = D::element(j);
+  uint32_t min_field = 255, max_field = 0, low_bits = 0;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* a = A + m * K;
+    uint16_t* d = dst + m * kp;
+    for (int64_t g = 0; g < kp / kGroup; ++g) {
+      const int64_t k0 = g * kGroup;
+      for (int64_t j = 0; j < kGroup; ++j) {
+        const int64_t k = k0 + source[j];
+        const uint32_t bits = k < K ? bits_from_f32(a[k]) : 0u;
+        const uint32_t magnitude = bits & 0x7FFFFFFFu;
+        low_bits |= bits & 0xFFFFu;
+        if (magnitude != 0) {
+          min_field = std::min(min_field, magnitude >> 23);
+          max_field = std::max(max_field, magnitude >> 23);
+        }
+        d[k0 + j] = static_cast<uint16_t>(bits >> 16);
+      }
+    }
+  }
+  if (max_field_out != nullptr) *max_field_out = static_cast<int>(max_field);
+  return low_bits != 0 ? -1 : static_cast<int>(min_field);
+}
+
+struct Problem {
+  const WeightView* w;
+  const uint16_t* a;  // bf16 [M, kp]
+  int a_min_field;    // smallest exponent field of a nonzero A value (255: none)
+  int a_max_field;    // largest (0: none)
+  int64_t kp, ngroups, nblocks, row_bytes;
+  float* out;         // [M, N]
+  int64_t N;
+};
+
+// out[m0:m0+MT, n0:n0+NT]
+template <class D, int MT, int NT>
+void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
+  const WeightView& w = *p.w;
+  const uint8_t* rows[NT];
+  const uint8_t* srows[NT];
+  for (int j = 0; j < NT; ++j) {
+    rows[j] = w.data + (n0 + j) * w.row_stride;
+    srows[j] = static_cast<const uint8_t*>(w.scale) + ((n0 + j) / w.bn) * w.scale_stride;
+  }
+  const uint16_t* arows[MT];
+  for (int i = 0; i < MT; ++i) arows[i] = p.a + (m0 + i) * p.kp;
+  __m512 acc[MT][NT];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+  const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const int64_t full = p.row_bytes / D::kGroupBytes;  // groups without a partial load
+  // The weight streams from memory in NT short row streams, too short for the
+  // hardware prefetchers to ramp up; so each group also prefetches its share
+  // of NT rows two tiles ahead (contiguous with these; one tile ahead measured
+  // 10-25% slower at M = 1 on a Zen 5).
+  const uint8_t* ahead = w.data + (n0 + 2 * NT) * w.row_stride;
+  constexpr int64_t kAheadLines = NT * D::kGroupBytes / 64;
+  for (int j = 0; j < NT; ++j) {  // and the next rows' scales, a few short rows of their own
+    const int64_t n = std::min(n0 + NT + j, p.N - 1);
+    const uint8_t* s = static_cast<const uint8_t*>(w.scale) + (n / w.bn) * w.scale_stride;
+    for (int64_t c = 0; c < p.nblocks; c += 64) _mm_prefetch(reinterpret_cast<const char*>(s + c), _MM_HINT_T0);
+  }
+  auto group = [&](int64_t g, const __m512 (&s16)[NT], __m512i lanes, auto masked) {
+    for (int64_t c = 0; c < kAheadLines; ++c)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + (g * kAheadLines + c) * 64), _MM_HINT_T0);
+    for (int j = 0; j < NT; ++j) {
+      __m512i w0, w1;
+      if constexpr (decltype(masked)::value)
+        dec.decode_masked(rows[j], g, D::valid_bytes(p.row_bytes, g), w0, w1);
+      else
+        dec.decode(rows[j], g, w0, w1);
+      const __m512 s = _mm512_permutexvar_ps(lanes, s16[j]);
+      for (int i = 0; i < MT; ++i) {
+        const uint16_t* a = arows[i] + g * kGroup;
+        __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w0, (__m512bh)_mm512_loadu_si512(a));
+        t = _mm512_dpbf16_ps(t, (__m512bh)w1, (__m512bh)_mm512_loadu_si512(a + 32));
+        acc[i][j] = _mm512_fmadd_ps(t, s, acc[i][j]);
+      }
+    }
+  };
+  for (int64_t g0 = 0; g0 < p.ngroups; g0 += 8) {
+    // Scales of blocks 2 g0 .. 2 g0 + 15 (the eight groups of this span).
+    const int64_t left = p.nblocks - 2 * g0;
+    const __mmask16 svalid = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    __m512 s16[NT];
+    for (int j = 0; j < NT; ++j) s16[j] = e8m0x16(srows[j] + 2 * g0, svalid);
+    const int64_t g1 = std::min(p.ngroups, g0 + 8);
+    __m512i lanes = pair;
+    int64_t g = g0;
+    for (; g < std::min(g1, full); ++g) {
+      group(g, s16, lanes, std::false_type{});
+      lanes = _mm512_add_epi32(lanes, _mm512_set1_epi32(2));
+    }
+    for (; g < g1; ++g) {
+      group(g, s16, lanes, std::true_type{});
+      lanes = _mm512_add_epi32(lanes, _mm512_set1_epi32(2));
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+// MXFP4 with the block scale folded into the decoded bf16 weights, for
+// several activation rows (MT >= 4): the scale then costs nothing per row,
+// and each row is two vdpbf16ps per group. Per group, each block's 16-entry
+// table of e2m1 values gets the block's exponent added to its nonzero
+// entries; one two-table lookup (index bit 5: which block) decodes both.
+// Exact while every scaled value is a normal bf16 (codes 2..252) and every
+// product stays a multiple of 2**-126: a (a multiple of 2**(e_a - 7)) times a
+// multiple of 2**(c - 128) needs e_a + c - 135 >= -126. A tile whose codes
+// do not allow it returns false and takes the general tile.
+struct Fp4ScaledCheck {
+  static bool codes_ok(const uint8_t* srow, int64_t nblocks, int a_min_field) {
+    // e_a = a_min_field - 127 (a_min_field 255: A is zero, any code in range will do).
+    const int lowest = std::max(2, a_min_field == 255 ? 2 : 9 - (a_min_field - 127));
+    if (lowest > 252) return false;
+    const __m512i lo = _mm512_set1_epi8(static_cast<char>(lowest)), hi = _mm512_set1_epi8(static_cast<char>(252));
+    for (int64_t b = 0; b < nblocks; b += 64) {
+      const __mmask64 valid = nblocks - b >= 64 ? ~__mmask64(0) : (__mmask64(1) << (nblocks - b)) - 1;
+      const __m512i c = _mm512_maskz_loadu_epi8(valid, srow + b);
+      if ((_mm512_mask_cmplt_epu8_mask(valid, c, lo) | _mm512_mask_cmpgt_epu8_mask(valid, c, hi)) != 0) return false;
+    }
+    return true;
+  }
+};
+
+// A [MT rows] x decoded weights [NT rows] read back from `scratch` (row j's
+// group g at scratch + (j * ngroups + g) * 64, as fp4_scaled_tile and
+// fp8_prescaled_tile store them): the later row tiles of a weight tile, so a
+// weight row is decoded once per call whatever M is.
+template <int MT, int NT>
+void scratch_tile(const Problem& p, const uint16_t* a_base, const uint16_t* scratch, int64_t m0, int64_t n0) {
+  const uint16_t* arows[MT];
+  for (int i = 0; i < MT; ++i) arows[i] = a_base + (m0 + i) * p.kp;
+  // Below 3 rows, two accumulators per pair: one dependent vdpbf16ps per group, not two.
+  constexpr int kAcc = MT <= 2 ? 2 : 1;
+  __m512 acc[MT][NT][kAcc];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j)
+      for (int h = 0; h < kAcc; ++h) acc[i][j][h] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.ngroups; ++g) {
+    __m512bh w0[NT], w1[NT];
+    for (int j = 0; j < NT; ++j) {
+      const uint16_t* wj = scratch + (j * p.ngroups + g) * kGroup;
+      w0[j] = (__m512bh)_mm512_loadu_si512(wj);
+      w1[j] = (__m512bh)_mm512_loadu_si512(wj + 32);
+    }
+    for (int i = 0; i < MT; ++i) {
+      const __m512bh a0 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup);
+      const __m512bh a1 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup + 32);
+      for (int j = 0; j < NT; ++j) {
+        if constexpr (kAcc == 2) {
+          acc[i][j][0] = _mm512_dpbf16_ps(acc[i][j][0], w0[j], a0);
+          acc[i][j][1] = _mm512_dpbf16_ps(acc[i][j][1], w1[j], a1);
+        } else {
+          acc[i][j][0] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j][0], w0[j], a0), w1[j], a1);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(kAcc == 2 ? _mm512_add_ps(acc[i][j][0], acc[i][j][kAcc - 1]) : acc[i][j][0]);
+}
+
+template <int MT, int NT>
+bool fp4_scaled_tile(const Fp4Dot& dec, const Problem& p, int64_t m0, int64_t n0, uint16_t* store) {
+  const WeightView& w = *p.w;
+  const uint8_t* rows[NT];
+  const uint8_t* srows[NT];
+  for (int j = 0; j < NT; ++j) {
+    rows[j] = w.data + (n0 + j) * w.row_stride;
+    srows[j] = static_cast<const uint8_t*>(w.scale) + (n0 + j) * w.scale_stride;
+    if (!Fp4ScaledCheck::codes_ok(srows[j], p.nblocks, p.a_min_field)) return false;
+  }
+  const uint16_t* arows[MT];
+  for (int i = 0; i < MT; ++i) arows[i] = p.a + (m0 + i) * p.kp;
+  // One accumulator per (row, weight row): NT x MT <= 16 registers, and
+  // each group's A values are loaded once for NT weight rows.
+  // Below 3 rows, two accumulators per pair: one dependent vdpbf16ps per group, not two.
+  constexpr int kAcc = MT <= 2 ? 2 : 1;
+  __m512 acc[MT][NT][kAcc];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j)
+      for (int h = 0; h < kAcc; ++h) acc[i][j][h] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi16(0x0F);
+  // Index bit 5 picks the second table for words 16..31 (the group's second block).
+  const __m512i second = _mm512_maskz_set1_epi16(0xFFFF0000u, 0x20);
+  constexpr __mmask32 kNonzero = 0xFEFE;  // table entries 0 and 8 are +-0
+  const uint8_t* ahead = w.data + (n0 + 2 * NT) * w.row_stride;
+  const int64_t full = p.row_bytes / Fp4Dot::kGroupBytes;
+  for (int64_t g = 0; g < p.ngroups; ++g) {
+    for (int64_t c = 0; c < NT / 2; ++c)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + (g * (NT / 2) + c) * 64), _MM_HINT_T0);
+    const int64_t b0 = 2 * g, b1 = std::min(2 * g + 1, p.nblocks - 1);  // past the end: any valid code
+    __m512bh even[NT], odd[NT];
+    for (int j = 0; j < NT; ++j) {
+      const __m512i t0 = _mm512_mask_add_epi16(dec.lut, kNonzero, dec.lut,
+                                               _mm512_set1_epi16(static_cast<short>((int(srows[j][b0]) - 127) << 7)));
+      const __m512i t1 = _mm512_mask_add_epi16(dec.lut, kNonzero, dec.lut,
+                                               _mm512_set1_epi16(static_cast<short>((int(srows[j][b1]) - 127) << 7)));
+      const __m256i raw = g < full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + g * 32))
+                                   : _mm256_maskz_loadu_epi8(Fp4Dot::valid_bytes(p.row_bytes, g), rows[j] + g * 32);
+      const __m512i b = _mm512_cvtepu8_epi16(raw);
+      const __m512i idx_even = _mm512_ternarylogic_epi32(b, nibble, second, 0xEA);  // (b & 0x0F) | second
+      const __m512i idx_odd = _mm512_or_si512(_mm512_srli_epi16(b, 4), second);
+      even[j] = (__m512bh)_mm512_permutex2var_epi16(t0, idx_even, t1);
+      odd[j] = (__m512bh)_mm512_permutex2var_epi16(t0, idx_odd, t1);
+      if (store != nullptr) {
+        _mm512_storeu_si512(store + (j * p.ngroups + g) * kGroup, (__m512i)even[j]);
+        _mm512_storeu_si512(store + (j * p.ngroups + g) * kGroup + 32, (__m512i)odd[j]);
+      }
+    }
+    for (int i = 0; i < MT; ++i) {
+      const __m512bh a0 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup);
+      const __m512bh a1 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup + 32);
+      for (int j = 0; j < NT; ++j) {
+        if constexpr (kAcc == 2) {
+          acc[i][j][0] = _mm512_dpbf16_ps(acc[i][j][0], even[j], a0);
+          acc[i][j][1] = _mm512_dpbf16_ps(acc[i][j][1], odd[j], a1);
+        } else {
+          acc[i][j][0] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j][0], even[j], a0), odd[j], a1);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(kAcc == 2 ? _mm512_add_ps(acc[i][j][0], acc[i][j][kAcc - 1]) : acc[i][j][0]);
+  return true;
+}
+
+// fp4 from 4 rows: NT = 4 weight rows x m-tiles of near-equal height <= 4;
+// a tile whose scale codes rule out the folded path takes the general one.
+inline void fp4_scaled_rows(const Fp4Dot& dec, const Problem& p, int64_t M, int64_t n0) {
+  const int64_t tiles = (M + 3) / 4;
+  thread_local std::vector<uint16_t> scratch;
+  if (tiles > 1) scratch.resize(4 * p.ngroups * kGroup);
+  uint16_t* store = tiles > 1 ? scratch.data() : nullptr;
+  int64_t m0 = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t mt = (M - m0) / (tiles - t);
+    if (t == 0) {
+      bool done = false;
+      switch (mt) {
+        case 1: done = fp4_scaled_tile<1, 4>(dec, p, m0, n0, store); break;
+        case 2: done = fp4_scaled_tile<2, 4>(dec, p, m0, n0, store); break;
+        case 3: done = fp4_scaled_tile<3, 4>(dec, p, m0, n0, store); break;
+        default: done = fp4_scaled_tile<4, 4>(dec, p, m0, n0, store); break;
+      }
+      if (!done) {  // codes out of the folded range: the general tile for all of M
+        for (int j = 0; j < 4; ++j)
+          for (int64_t i = 0; i < M; ++i) tile<Fp4Dot, 1, 1>(dec, p, i, n0 + j);
+        return;
+      }
+    } else {
+      switch (mt) {
+        case 1: scratch_tile<1, 4>(p, p.a, store, m0, n0); break;
+        case 2: scratch_tile<2, 4>(p, p.a, store, m0, n0); break;
+        case 3: scratch_tile<3, 4>(p, p.a, store, m0, n0); break;
+        default: scratch_tile<4, 4>(p, p.a, store, m0, n0); break;
+      }
+    }
+    m0 += mt;
+  }
+}
+
+template <class D, int NT>
+void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
+  // Row tiles of near-equal height <= kMaxMT (NT = 1, 2) or <= 3 (NT = 4).
+  constexpr int kMaxMT = NT == 4 ? 3 : 8;
+  const int64_t tiles = (M + kMaxMT - 1) / kMaxMT;
+  int64_t m0 = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t mt = (M - m0) / (tiles - t);
+    switch (mt) {
+#define TORCH_BQ_TILE(R)                                                                 \
+  case R:                                                                                \
+    if constexpr (R <= kMaxMT) {                                                         \
+      tile<D, R, NT>(dec, p, m0, n0);                                                    \
+    }                                                                                    \
+    break;
+      TORCH_BQ_TILE(1) TORCH_BQ_TILE(2) TORCH_BQ_TILE(3) TORCH_BQ_TILE(4)
+      TORCH_BQ_TILE(5) TORCH_BQ_TILE(6) TORCH_BQ_TILE(7) TORCH_BQ_TILE(8)
+#undef TORCH_BQ_TILE
+      default: break;
+    }
+    m0 += mt;
+  }
+}
+
+// fp8 with e8m0 scales shared by 16 or more weight rows (bn % 16 == 0, so a
+// 16-row task lies in one row block), from 4 rows: the task's block scales go
+// into a copy of A instead (A'[m, k] = A[m, k] * s[n / bn, k / 32], an exponent
+// add on the bf16 bits, exact), so the decoded weights are used unscaled and
+// every row is two vdpbf16ps per group, as the reference's sum of
+// A * (w * s) is the sum of (A * s) * w exactly. Needs, for every code c of the
+// task, A' normal and finite and every product a multiple of 2**-126: a (a
+// multiple of 2**(e_a - 7)) times s times e4m3 (a multiple of 2**-9) gives
+// e_a + c >= 17; and c <= 246, so w * s is finite as in the reference.
+inline bool fp8_prescale_ok(const uint8_t* srow, int64_t nblocks, int a_min_field, int a_max_field) {
+  uint32_t lo = 255, hi = 0;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    lo = std::min<uint32_t>(lo, srow[b]);
+    hi = std::max<uint32_t>(hi, srow[b]);
+  }
+  if (hi > 246) return false;
+  if (a_min_field == 255) return true;  // A is zero
+  return int(lo) + (a_min_field - 127) >= 17 && a_max_field + (int(hi) - 127) <= 254;
+}
+
+// A' for one row block: word j of group g belongs to block 2g + (j / 16) % 2 (Fp8Dot::element).
+inline void fp8_prescale(const Problem& p, int64_t M, const uint8_t* srow, uint16_t* dst) {
+  const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
+  for (int64_t g = 0; g < p.ngroups; ++g) {
+    const int64_t b0 = 2 * g, b1 = std::min(2 * g + 1, p.nblocks - 1);
+    const __m512i e = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(static_cast<short>((int(srow[b0]) - 127) << 7)),
+                                              _mm512_set1_epi16(static_cast<short>((int(srow[b1]) - 127) << 7)));
+    for (int64_t m = 0; m < M; ++m)
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = m * p.kp + g * kGroup + 32 * h;
+        const __m512i a = _mm512_loadu_si512(p.a + at);
+        const __mmask32 nonzero = _mm512_test_epi16_mask(a, magnitude);
+        _mm512_storeu_si512(dst + at, _mm512_mask_add_epi16(a, nonzero, a, e));
+      }
+  }
+}
+
+template <int MT, int NT>
+void fp8_prescaled_tile(const Fp8Dot& dec, const Problem& p, const uint16_t* a_scaled, int64_t m0, int64_t n0,
+                        uint16_t* store) {
+  const WeightView& w = *p.w;
+  const uint8_t* rows[NT];
+  for (int j = 0; j < NT; ++j) rows[j] = w.data + (n0 + j) * w.row_stride;
+  const uint16_t* arows[MT];
+  for (int i = 0; i < MT; ++i) arows[i] = a_scaled + (m0 + i) * p.kp;
+  // Below 3 rows, two accumulators per pair: one dependent vdpbf16ps per group, not two.
+  constexpr int kAcc = MT <= 2 ? 2 : 1;
+  __m512 acc[MT][NT][kAcc];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j)
+      for (int h = 0; h < kAcc; ++h) acc[i][j][h] = _mm512_setzero_ps();
+  const uint8_t* ahead = w.data + (n0 + 2 * NT) * w.row_stride;
+  const int64_t full = p.row_bytes / Fp8Dot::kGroupBytes;
+  for (int64_t g = 0; g < p.ngroups; ++g) {
+    for (int c = 0; c < NT; ++c) _mm_prefetch(reinterpret_cast<const char*>(ahead + (g * NT + c) * 64), _MM_HINT_T0);
+    __m512bh w0[NT], w1[NT];
+    for (int j = 0; j < NT; ++j) {
+      __m512i lo, hi;
+      if (g < full)
+        dec.decode(rows[j], g, lo, hi);
+      else
+        dec.decode_masked(rows[j], g, Fp8Dot::valid_bytes(p.row_bytes, g), lo, hi);
+      w0[j] = (__m512bh)lo;
+      w1[j] = (__m512bh)hi;
+      if (store != nullptr) {
+        _mm512_storeu_si512(store + (j * p.ngroups + g) * kGroup, lo);
+        _mm512_storeu_si512(store + (j * p.ngroups + g) * kGroup + 32, hi);
+      }
+    }
+    for (int i = 0; i < MT; ++i) {
+      const __m512bh a0 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup);
+      const __m512bh a1 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup + 32);
+      for (int j = 0; j < NT; ++j) {
+        if constexpr (kAcc == 2) {
+          acc[i][j][0] = _mm512_dpbf16_ps(acc[i][j][0], w0[j], a0);
+          acc[i][j][1] = _mm512_dpbf16_ps(acc[i][j][1], w1[j], a1);
+        } else {
+          acc[i][j][0] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j][0], w0[j], a0), w1[j], a1);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(kAcc == 2 ? _mm512_add_ps(acc[i][j][0], acc[i][j][kAcc - 1]) : acc[i][j][0]);
+}
+
+// Rows [n0, n_end) of one 16-row task: 4-row tiles x m-tiles of near-equal height <= 4.
+// False (nothing written) when the task's codes rule the prescaled path out.
+inline bool fp8_prescaled_rows(const Fp8Dot& dec, const Problem& p, int64_t M, int64_t n0, int64_t n_end,
+                               std::vector<uint16_t>& a_scaled) {
+  const WeightView& w = *p.w;
+  const uint8_t* srow = static_cast<const uint8_t*>(w.scale) + (n0 / w.bn) * w.scale_stride;
+  if (!fp8_prescale_ok(srow, p.nblocks, p.a_min_field, p.a_max_field)) return false;
+  a_scaled.resize(M * p.kp);
+  fp8_prescale(p, M, srow, a_scaled.data());
+  const int64_t tiles = (M + 3) / 4;
+  thread_local std::vector<uint16_t> scratch;
+  if (tiles > 1) scratch.resize(4 * p.ngroups * kGroup);
+  uint16_t* store = tiles > 1 ? scratch.data() : nullptr;
+  const uint16_t* as = a_scaled.data();
+  for (int64_t n = n0; n < n_end; n += 4) {
+    const bool four = n + 4 <= n_end;
+    int64_t m0 = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t mt = (M - m0) / (tiles - t);
+      if (four && t == 0) {
+        switch (mt) {
+          case 1: fp8_prescaled_tile<1, 4>(dec, p, as, m0, n, store); break;
+          case 2: fp8_prescaled_tile<2, 4>(dec, p, as, m0, n, store); break;
+          case 3: fp8_prescaled_tile<3, 4>(dec, p, as, m0, n, store); break;
+          default: fp8_prescaled_tile<4, 4>(dec, p, as, m0, n, store); break;
+        }
+      } else if (four) {
+        switch (mt) {
+          case 1: scratch_tile<1, 4>(p, as, store, m0, n); break;
+          case 2: scratch_tile<2, 4>(p, as, store, m0, n); break;
+          case 3: scratch_tile<3, 4>(p, as, store, m0, n); break;
+          default: scratch_tile<4, 4>(p, as, store, m0, n); break;
+        }
+      } else {
+        for (int64_t r = n; r < n_end; ++r) {
+          switch (mt) {
+            case 1: fp8_prescaled_tile<1, 1>(dec, p, as, m0, r, nullptr); break;
+            case 2: fp8_prescaled_tile<2, 1>(dec, p, as, m0, r, nullptr); break;
+            case 3: fp8_prescaled_tile<3, 1>(dec, p, as, m0, r, nullptr); break;
+            default: fp8_prescaled_tile<4, 1>(dec, p, as, m0, r, nullptr); break;
+          }
+        }
+      }
+      m0 += mt;
+    }
+  }
+  return true;
+}
+
+// The whole decode-path call; false (nothing written) when A cannot take it.
+template <class Fmt>
+bool linear(const WeightView& w, const float* A, int64_t M, int64_t N, float* out) {
+  using D = typename DotFor<Fmt>::type;
+  const int64_t kp = (w.K + kGroup - 1) / kGroup * kGroup;
+  std::vector<uint16_t> a(M * kp);
+  int a_max_field = 0;
+  const int a_min_field = prepare_activation<D>(A, M, w.K, kp, a.data(), &a_max_field);
+  if (a_min_field < 0 || (a_min_field != 255 && a_min_field - 127 < D::kMinExponentA)) return false;
+  static const D dec;
+  const Problem p{&w, a.data(), a_min_field, a_max_field, kp, kp / kGroup, (w.K + 31) / 32, Fmt::row_bytes(w.K),
+                  out, N};
+  const bool fp4_scaled = std::is_same_v<D, Fp4Dot> && M >= 4;
+  const bool fp8_prescaled = std::is_same_v<D, Fp8Dot> && M >= 4 && w.bn % 16 == 0;
+  const int nt = M <= 3 ? 4 : M <= 8 ? 2 : 1;
+  constexpr int64_t kRowsPerTask = 16;  // a multiple of every NT
+  run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
+    const int64_t n_end = std::min(N, (t + 1) * kRowsPerTask);
+    int64_t n = t * kRowsPerTask;
+    if constexpr (std::is_same_v<D, Fp4Dot>) {
+      if (fp4_scaled)
+        for (; n + 4 <= n_end; n += 4) fp4_scaled_rows(dec, p, M, n);
+    }
+    if constexpr (std::is_same_v<D, Fp8Dot>) {
+      thread_local std::vector<uint16_t> a_scaled;
+      if (fp8_prescaled && fp8_prescaled_rows(dec, p, M, n, n_end, a_scaled)) return;
+    }
+    if (nt == 4)
+      for (; n + 4 <= n_end; n += 4) rows_tile<D, 4>(dec, p, M, n);
+    if (nt >= 2)
+      for (; n + 2 <= n_end; n += 2) rows_tile<D, 2>(dec, p, M, n);
+    for (; n < n_end; ++n) rows_tile<D, 1>(dec, p, M, n);
+  });
+  return true;
+}
+
+}  // namespace dotbf16
+#endif  // AVX-512 BF16 + VBMI
+
 template <class Fmt, class S>
 void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, float* out) {
+#if defined(TORCH_BQ_DOT_BF16)
+  if constexpr (std::is_same_v<S, uint8_t>) {
+    if (w.bk == 32 && dotbf16::linear<Fmt>(w, A, M, N, out)) return;
+  }
+#endif
   constexpr int64_t kRowsPerTask = 16;  // multiple of the tile height NT
   std::vector<float> split;
 #if defined(TORCH_BQ_AVX2)
@@ -1218,6 +1849,18 @@ at::Tensor qdq_fp8(const at::Tensor& x, double peak, bool fp32_out) {
   return out;
 }
 
+// The decode kernels this build runs for 32-wide e8m0 blocks: "avx512_bf16"
+// (vdpbf16ps, AVX-512 BW + VBMI), "avx2" (fp32 FMA) or "generic" (scalar).
+std::string decode_isa() {
+#if defined(TORCH_BQ_DOT_BF16)
+  return "avx512_bf16";
+#elif defined(TORCH_BQ_AVX2)
+  return "avx2";
+#else
+  return "generic";
+#endif
+}
+
 bool vectorized() {
 #if defined(TORCH_BQ_AVX2)
   return true;
@@ -1249,4 +1892,5 @@ TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
   m.def("dense_linear(Tensor a, Tensor weight, Tensor? bias, int panel_bytes) -> Tensor", &torch_bq_cpu::dense_linear);
   m.def("vectorized() -> bool", &torch_bq_cpu::vectorized);
   m.def("prefill_counts() -> int[]", &torch_bq_cpu::prefill_counts);
+  m.def("decode_isa() -> str", &torch_bq_cpu::decode_isa);
 }

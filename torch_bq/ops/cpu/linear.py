@@ -10,9 +10,10 @@ switches these registrations off (torch.library's ``set_kernel_enabled``).
 
 Tuning:
 
-* ``DECODE_MAX_M``: up to this many rows the weight is decoded inside the dot
-  product (memory-bound decode); above it, panels of the weight are dequantized
-  and fed to a GEMM (compute-bound prefill).
+* :func:`decode_max_m`: up to this many rows the weight is decoded inside the
+  dot product (memory-bound decode); above it, tiles or panels of the weight are
+  dequantized and fed to a GEMM (compute-bound prefill). The boundary depends
+  on which decode kernels the build runs and on the format (``DECODE_MAX_M``).
 * ``PANEL_BYTES``: the fp32 panel size of the prefill path where it runs at::mm
   (the generic build, or MKLDNN switched off); the microkernel path of the
   other builds uses fixed 64-row tiles (see kernels.cpp).
@@ -29,10 +30,38 @@ from ...reference import linear as ref
 from .. import _backend
 from .. import linear as op_defs
 
-__all__ = ["DECODE_MAX_M", "PANEL_BYTES", "fp8_linear", "fp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8"]
+__all__ = ["DECODE_MAX_M", "PANEL_BYTES", "decode_max_m", "fp8_linear", "fp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8"]
 
-DECODE_MAX_M = 16
+# The decode path's largest row count, by the decode kernels of the build
+# (the kernels' ``decode_isa()``) and the format: where the panel path becomes
+# faster per row, measured on 1 thread against the fp32 panels
+# (docs/benchmarks.md, "Decode / panel crossover"); a lower limit would put a
+# cliff in the time per row. The AVX-512 BF16 decode kernels run at the
+# vdpbf16ps rate, ~2x the fp32 panels' GEMM: fp8 crosses over between M = 128
+# and 256, fp4 beyond 512 (4096 x 4096). Re-measure when the panels change.
+# "long_k" (K, M): above this K the AVX2 tiles' activation rows no longer sit
+# in L2 beside the weight row, and the panels win from M = 9 (K = 33024).
+DECODE_MAX_M = {
+    "avx512_bf16": {"fp8": 192, "fp4": 512, "long_k": None},
+    "avx2": {"fp8": 16, "fp4": 16, "long_k": (16384, 8)},
+    "generic": {"fp8": 16, "fp4": 16, "long_k": None},
+}
 PANEL_BYTES = 4 << 20
+
+_decode_isa: dict = {}
+
+
+def decode_max_m(kernels, fmt: str, k: int) -> int:
+    """Largest ``M`` that ``kernels`` run on the decode path for format ``fmt`` (``"fp8"``/``"fp4"``) and ``K = k``."""
+    isa = _decode_isa.get(id(kernels))
+    if isa is None:
+        isa = kernels.decode_isa() if hasattr(kernels, "decode_isa") else "avx2" if kernels.vectorized() else "generic"
+        _decode_isa[id(kernels)] = isa
+    limits = DECODE_MAX_M.get(isa, DECODE_MAX_M["generic"])
+    long_k = limits["long_k"]
+    if long_k is not None and k > long_k[0]:
+        return long_k[1]
+    return limits[fmt]
 
 
 def _activation(kernels, x: torch.Tensor, act_quant: bool, act_peak: float) -> torch.Tensor:
@@ -73,7 +102,7 @@ def fp8_linear(
         _bias(bias),
         bn,
         bk,
-        DECODE_MAX_M,
+        decode_max_m(kernels, "fp8", x.shape[-1]),
         PANEL_BYTES,
     )
     return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
@@ -100,7 +129,7 @@ def fp4_linear(
         formats.as_fp4_bytes(weight).contiguous(),
         formats.as_e8m0_codes(scale).contiguous(),
         _bias(bias),
-        DECODE_MAX_M,
+        decode_max_m(kernels, "fp4", x.shape[-1]),
         PANEL_BYTES,
     )
     return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
