@@ -351,7 +351,8 @@ def test_bf16_prefill_leaves_tiles_that_could_meet_a_subnormal_to_fp32():
     has enough weight in the subnormal range to fail the bound if it were flushed."""
     level = "avx512_bf16"
     torch.manual_seed(2)
-    n, k, m = 130, 96, 20
+    n, k = 130, 96
+    m = fast.DECODE_MAX_M[level]["fp8"] + 4  # past the decode path: the prefill tiles are what is tested
     data = formats.quantize_fp8(torch.randn(n, k))[0].view(torch.uint8).clone()
     data[64:96] = 0x08 | (data[64:96] & 0x80)  # e4m3 2**-6, signs kept
     x = torch.randn(m, k)
@@ -394,7 +395,8 @@ def test_prefill_panels_do_not_shrink_with_large_k(level):
     torch.manual_seed(3)
     n, k = 130, 33024
     d, s = formats.quantize_fp8(torch.randn(n, k), (1, 32))
-    x = torch.randn(17, k)
+    rows = max(limits["fp8"] for limits in fast.DECODE_MAX_M.values()) + 1  # on the prefill path at every level
+    x = torch.randn(rows, k)
     before = prefill_counts(level)
     y = FP8[level](x, d, s, None, [1, 32], True, 224.0, torch.float32)
     assert int((prefill_counts(level) - before).sum()) == 3  # ceil(130 / 64)

@@ -33,16 +33,15 @@ from .. import linear as op_defs
 __all__ = ["DECODE_MAX_M", "PANEL_BYTES", "decode_max_m", "fp8_linear", "fp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8"]
 
 # The decode path's largest row count, by the decode kernels of the build
-# (the kernels' ``decode_isa()``) and the format: where the panel path becomes
-# faster per row, measured on 1 thread against the fp32 panels
-# (docs/benchmarks.md, "Decode / panel crossover"); a lower limit would put a
-# cliff in the time per row. The AVX-512 BF16 decode kernels run at the
-# vdpbf16ps rate, ~2x the fp32 panels' GEMM: fp8 crosses over between M = 128
-# and 256, fp4 beyond 512 (4096 x 4096). Re-measure when the panels change.
+# (the kernels' ``decode_isa()``) and the format: where the prefill path becomes
+# faster per row, measured on 1 thread (a lower limit would put a cliff in the
+# time per row). AVX-512 BF16, against the bf16 brgemm tiles of the prefill
+# path (Zen 5, 4096x4096 and 14336x4096, 2026-12-01): fp8 crosses over between
+# M = 16 and 32, fp4 between 64 and 96. Re-measure when either path changes.
 # "long_k" (K, M): above this K the AVX2 tiles' activation rows no longer sit
 # in L2 beside the weight row, and the panels win from M = 9 (K = 33024).
 DECODE_MAX_M = {
-    "avx512_bf16": {"fp8": 192, "fp4": 512, "long_k": None},
+    "avx512_bf16": {"fp8": 24, "fp4": 64, "long_k": None},
     "avx2": {"fp8": 16, "fp4": 16, "long_k": (16384, 8)},
     "generic": {"fp8": 16, "fp4": 16, "long_k": None},
 }
