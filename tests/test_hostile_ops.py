@@ -296,7 +296,7 @@ def test_fp8_linear_arguments_fuzz(data):
     fast = _outcome(lambda: ops.fp8_linear(x, w, s, bias, **kwargs))
 
     def reference():
-        formats._check_block(block)
+        formats.check_block(block)
         return ref.fp8_linear(x, w, s, bias, list(block), act_quant, float(peak), out_dtype)
 
     expected = _outcome(reference)

@@ -136,3 +136,22 @@ def test_no_private_name_imported_across_packages():
                 continue
             private = [n for n in names if n.startswith("_") and not n.startswith("__")]
             assert not private, f"{path.relative_to(PKG)} imports {private} from {mod}"
+
+
+def test_no_private_attribute_of_another_package_is_used():
+    # ``from ..reference import attention as ref`` then ``ref._check(...)`` is the same private
+    # dependency as importing ``_check`` by name.
+    modules = {_module_name(p) for p in PKG.rglob("*.py")}
+    for path in PKG.rglob("*.py"):
+        here = _module_name(path).split(".")[:2]
+        aliases = {}
+        tree = ast.parse(path.read_text())
+        for (mod, names), node in zip(_imports(path), (n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)))):
+            for alias in node.names:
+                target = f"{mod}.{alias.name}" if isinstance(node, ast.ImportFrom) else alias.name
+                if target in modules and target.split(".")[:2] != here:
+                    aliases[alias.asname or alias.name.split(".")[-1]] = target
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                raise AssertionError(f"{path.relative_to(PKG)}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}")

@@ -136,7 +136,7 @@ class TorchBQConfig(QuantizationConfigMixin):
         if act_peak is not None:
             formats.check_peak(act_peak)
         self.format = format
-        self.block = list(formats._check_block(block)) if block is not None else None
+        self.block = list(formats.check_block(block)) if block is not None else None
         self.scale_dtype = scale_dtype
         self.rounding = rounding
         self.act_quant = act_quant

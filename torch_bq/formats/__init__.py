@@ -34,7 +34,6 @@ from .codecs import (
     FP8_MAX,
     MIN_ACT_PEAK,
     QDQ_BLOCK,
-    _check_block,  # noqa: F401  (the old private name, kept until every caller uses check_block)
     as_e8m0_codes,
     as_fp4_bytes,
     as_fp8_bytes,

@@ -361,7 +361,6 @@ def qdq_fp8(x: torch.Tensor, peak: float = DEFAULT_ACT_PEAK) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 
 
-_check_block = check_block  # the old private name; use check_block
 
 
 def _check_float_matrix(w: torch.Tensor, name: str) -> None:

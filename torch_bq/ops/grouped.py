@@ -226,7 +226,7 @@ def fp8_grouped_linear(
         offsets that decrease or do not end at ``T``.
     """
     return torch.ops.torch_bq.fp8_grouped_linear(
-        x, weight, scale, offsets, bias, list(formats._check_block(block)), act_quant, float(act_peak), out_dtype
+        x, weight, scale, offsets, bias, list(formats.check_block(block)), act_quant, float(act_peak), out_dtype
     )
 
 

@@ -112,7 +112,7 @@ def fp8_linear(
         ``[..., N]`` of ``out_dtype``.
     """
     return torch.ops.torch_bq.fp8_linear(
-        x, weight, scale, bias, list(formats._check_block(block)), act_quant, float(act_peak), out_dtype
+        x, weight, scale, bias, list(formats.check_block(block)), act_quant, float(act_peak), out_dtype
     )
 
 

@@ -213,7 +213,7 @@ def check_paged_metadata(
         )
 
     lo, hi = visible_range(positions, seq_lens, rows_per_request, window)
-    _check_table_reads(block_table, lo, hi, num_blocks=num_blocks, block_size=block_size)
+    check_table_reads(block_table, lo, hi, num_blocks=num_blocks, block_size=block_size)
 
     if slots is None:
         return
@@ -229,7 +229,7 @@ def check_paged_metadata(
         )
 
 
-def _check_table_reads(block_table: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *,
+def check_table_reads(block_table: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *,
                        num_blocks: int, block_size: int) -> None:
     """Raise unless each request's table row covers ``[lo, hi)`` with physical blocks inside the cache.
 
@@ -258,7 +258,7 @@ def _check_table_reads(block_table: torch.Tensor, lo: torch.Tensor, hi: torch.Te
         )
 
 
-def _check_slot_bounds(slots: torch.Tensor, *, num_blocks: int, block_size: int) -> None:
+def check_slot_bounds(slots: torch.Tensor, *, num_blocks: int, block_size: int) -> None:
     """Raise unless every slot is ``< 0`` (skip) or inside the cache (one pass; always run by the write op)."""
     capacity = num_blocks * block_size
     i = _first(slots >= capacity)
@@ -273,7 +273,7 @@ def check_slots(slots: torch.Tensor, *, num_blocks: int, block_size: int) -> Non
     """Raise ``ValueError`` unless every slot is ``< 0`` (skip) or inside the cache, and no
     two rows write one slot (which one would win is unspecified). Eager only."""
     _check_dtype("slots", slots, torch.int64)
-    _check_slot_bounds(slots, num_blocks=num_blocks, block_size=block_size)
+    check_slot_bounds(slots, num_blocks=num_blocks, block_size=block_size)
     kept = slots[slots >= 0]
     values, counts = kept.unique(return_counts=True)
     if bool((counts > 1).any()):
@@ -293,7 +293,7 @@ def paged_kv_write(
     block_size = k_cache.shape[1]
     # Checked before either cache is touched, whatever ``validate`` says: an
     # out-of-range slot would otherwise fail half-way, after part of k_cache was written.
-    _check_slot_bounds(slots, num_blocks=k_cache.shape[0], block_size=block_size)
+    check_slot_bounds(slots, num_blocks=k_cache.shape[0], block_size=block_size)
     keep = slots >= 0
     kept = slots[keep]
     # Index by (block, offset) rather than through a flattened view so that caches
@@ -328,7 +328,7 @@ def paged_window_attention(
     out = torch.empty(rows, hkv, group, d, dtype=torch.float32, device=q.device)
     lo, hi = visible_range(positions, seq_lens, rows_per_request, window)
     # Always checked (cheap): a table entry of -1 would otherwise read the cache's last block.
-    _check_table_reads(block_table, lo, hi, num_blocks=k_cache.shape[0], block_size=block_size)
+    check_table_reads(block_table, lo, hi, num_blocks=k_cache.shape[0], block_size=block_size)
     for r in range(rows // rows_per_request):
         mine = slice(r * rows_per_request, (r + 1) * rows_per_request)
         j = torch.arange(int(lo[r]), int(hi[r]), device=q.device)  # cache positions read

@@ -27,7 +27,7 @@ contributes exactly nothing, never NaN.
 
 import torch
 
-from .attention import _check_table_reads, check_attention_args, visible_range
+from .attention import check_table_reads, check_attention_args, visible_range
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "attention_partials", "merge_partials", "paged_window_attention_split"]
 
@@ -110,7 +110,7 @@ def paged_window_attention_split(
     group = hq // hkv
     out = torch.empty(rows, hq, d, dtype=torch.float32, device=q.device)
     lo, hi = visible_range(positions, seq_lens, rows_per_request, window)
-    _check_table_reads(block_table, lo, hi, num_blocks=k_cache.shape[0], block_size=block_size)
+    check_table_reads(block_table, lo, hi, num_blocks=k_cache.shape[0], block_size=block_size)
     for r in range(rows // rows_per_request):
         mine = slice(r * rows_per_request, (r + 1) * rows_per_request)
         # Query tile per KV head: row t = (request row i, head-in-group g) -> [Hkv, rows*group, d].

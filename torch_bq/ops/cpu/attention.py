@@ -47,7 +47,7 @@ def paged_kv_write(
     kernel_calls[_backend.cpu_isa()] += 1
     ref.check_kv_write_args(k, v, k_cache, v_cache, slots)
     # The reference body's always-on check (validate=False included), same errors.
-    ref._check_slot_bounds(slots, num_blocks=k_cache.shape[0], block_size=k_cache.shape[1])
+    ref.check_slot_bounds(slots, num_blocks=k_cache.shape[0], block_size=k_cache.shape[1])
     kernels.paged_kv_write(k, v, k_cache, v_cache, slots)
 
 
@@ -73,7 +73,7 @@ def paged_window_attention(
     ref.check_attention_args(q, k_cache, v_cache, block_table, positions, seq_lens, **kw)
     # The reference body's always-on check (validate=False included): the blocks read exist.
     lo, hi = ref.visible_range(positions, seq_lens, rows_per_request, window)
-    ref._check_table_reads(block_table, lo, hi, num_blocks=k_cache.shape[0], block_size=k_cache.shape[1])
+    ref.check_table_reads(block_table, lo, hi, num_blocks=k_cache.shape[0], block_size=k_cache.shape[1])
     # q in float32 (as the reference computes), the result rounded once to q's dtype.
     out = kernels.paged_window_attention(
         q.to(torch.float32),
