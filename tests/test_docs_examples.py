@@ -51,6 +51,7 @@ PAGES = sorted([ROOT / "README.md", *DOCS.glob("*.md")])
 # Commands that are documented but not run here, with the reason.
 SKIPPED_COMMANDS = {
     "pip install": "installs packages; CI has already run it",
+    "python -m pip install": "installs packages; CI has already run it",
     "python -m pytest": "the test suite itself",
     "torchrun": "multi-process launch; the distributed pages run their python blocks under "
     "torch.distributed.run (see nproc= above) and tests/test_distributed.py runs examples/",
