@@ -37,9 +37,9 @@
 //   for fp8 with 32-wide blocks they instead run fp8_row_blocks32, one whole
 //   block per iteration with the integer decoder below (scales up to 2**7;
 //   the rest of the row falls back to the general loop at a larger one), and
-//   fp4 runs fp4_row_blocks32 against a copy of A whose 32-blocks are
-//   permuted (even elements, then odd) to match the nibble order, so the
-//   decoder needs no interleave.
+//   fp4 runs fp4_row_groups64, two blocks per iteration, against a copy of A
+//   whose 64-element groups are permuted to the order its decoder produces,
+//   so the decoder needs no interleave.
 //   Each output element is produced by one task in a fixed order, so the
 //   result does not depend on the thread count.
 //   With AVX-512 BF16 (TORCH_BQ_AVX512_BF16), 32-wide e8m0 blocks take the
@@ -61,7 +61,10 @@
 //        block scale * 2**120. Needs MXCSR.DAZ clear (checked per tile:
 //        torch.set_flush_denormal(True) sets it), else the F16C decoder runs.
 //   fp4: nibble -> high byte of the fp16 encoding of its e2m1 value via
-//        vpshufb (the low byte is always 0), then vcvtph2ps.
+//        vpshufb (the low byte is always 0), then vcvtph2ps. The single-row
+//        loop avoids F16C (the limit there): two vpshufb give both bytes of
+//        the bf16 encoding, and a bf16 word is an fp32 after one shift or
+//        mask (Fp4Format::decode64_bf16).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -193,22 +196,43 @@ struct Fp4Format {
     lo = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, hb));
     hi = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, hb));
   }
-  // One 32-element block (16 bytes) without restoring element order: even
-  // elements 0..14 and 16..30 (low nibbles), then odd ones 1..15 and 17..31
-  // (high nibbles); the caller's activation is permuted to match
-  // (split_activation_blocks32).
-  static void decode32_split(const uint8_t* p, __m256& even0, __m256& even1, __m256& odd0, __m256& odd1) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lut = _mm_setr_epi8(0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46, char(0x80), char(0xB8),
-                                      char(0xBC), char(0xBE), char(0xC0), char(0xC2), char(0xC4), char(0xC6));
-    const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, mask));
-    const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), mask));
-    const __m128i zero = _mm_setzero_si128();
-    even0 = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, lo));
-    even1 = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, lo));
-    odd0 = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, hi));
-    odd1 = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, hi));
+  // Two 32-element blocks (32 bytes, one per 128-bit lane) to 64 fp32 values
+  // without F16C: two vpshufb lookups per nibble give the high and low byte
+  // of the bf16 (= upper half of the fp32) encoding of each e2m1 value, one
+  // byte unpack pairs them into bf16 words, and each word becomes an fp32
+  // with one integer op (shift left 16 for even words, mask for odd ones).
+  // 1 load + 3 + 4 + 4 + 8 vector ops per 64 elements, none on the FMA
+  // pipes' conversion units; the values come out in a fixed order that the
+  // caller's activation is permuted to (kGroup64Element).
+  static void decode64_bf16(const uint8_t* p, __m256 (&w)[8]) {
+    // bytes 2 and 3 of the fp32 encoding of e2m1 codes 0..15 (sign in bit 3; -0 for code 8)
+    const __m256i lb = _mm256_setr_epi8(0, 0, char(0x80), char(0xC0), 0, 0x40, char(0x80), char(0xC0), 0, 0,
+                                        char(0x80), char(0xC0), 0, 0x40, char(0x80), char(0xC0), 0, 0, char(0x80),
+                                        char(0xC0), 0, 0x40, char(0x80), char(0xC0), 0, 0, char(0x80), char(0xC0), 0,
+                                        0x40, char(0x80), char(0xC0));
+    const __m256i hb = _mm256_setr_epi8(0, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, char(0x80), char(0xBF),
+                                        char(0xBF), char(0xBF), char(0xC0), char(0xC0), char(0xC0), char(0xC0), 0,
+                                        0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, char(0x80), char(0xBF), char(0xBF),
+                                        char(0xBF), char(0xC0), char(0xC0), char(0xC0), char(0xC0));
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i high_words = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+    const __m256i lo_l = _mm256_shuffle_epi8(lb, lo), lo_h = _mm256_shuffle_epi8(hb, lo);
+    const __m256i hi_l = _mm256_shuffle_epi8(lb, hi), hi_h = _mm256_shuffle_epi8(hb, hi);
+    const __m256i words[4] = {_mm256_unpacklo_epi8(lo_l, lo_h), _mm256_unpackhi_epi8(lo_l, lo_h),
+                              _mm256_unpacklo_epi8(hi_l, hi_h), _mm256_unpackhi_epi8(hi_l, hi_h)};
+    for (int i = 0; i < 4; ++i) {
+      w[2 * i] = _mm256_castsi256_ps(_mm256_slli_epi32(words[i], 16));
+      w[2 * i + 1] = _mm256_castsi256_ps(_mm256_and_si256(words[i], high_words));
+    }
+  }
+  // Which element of its block register w[i], lane l of decode64_bf16 holds
+  // (lanes 0-3: the first block, 4-7: the second): words[i / 2] holds, per
+  // 128-bit lane, the low (i < 4) or high nibbles of bytes 0-7 or 8-15 in
+  // order; even words are w[2j], odd ones w[2j + 1].
+  static constexpr int group64_element(int i, int l) {
+    return (l / 4) * 32 + (i / 4) + 16 * ((i / 2) % 2) + 2 * (i % 2) + 4 * (l % 4);
   }
 #endif
 };
@@ -285,28 +309,35 @@ int64_t fp8_row_blocks32(const uint8_t* const* rows, const uint8_t* const* scale
   return b;
 }
 
-// MXFP4, one activation row, NT weight rows: one whole block per iteration
-// against the block-permuted activation (split_activation_blocks32), so the
-// nibbles need no interleaving back into element order; the e8m0 scale is
-// factored out of the block's partial sum (exact). Covers blocks [0, K/32).
+// MXFP4, one activation row, NT weight rows: two whole blocks (64 elements)
+// per iteration with the bf16-pattern decoder, against the activation
+// permuted to its output order (permute_activation_groups64); each block's
+// e8m0 scale is factored out of its partial sum (exact), both blocks' scales
+// in one register (lanes 0-3 and 4-7). Covers blocks [0, 2 * (K / 64)); the
+// caller's general loop takes the rest.
 template <int NT>
-int64_t fp4_row_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* a_split,
+int64_t fp4_row_groups64(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* a_perm,
                          int64_t K, __m256* acc, const uint8_t* ahead) {
-  for (int64_t b = 0; b < K / 32; ++b) {
-    if (b % 4 == 0)  // the next rows' share for these four blocks (see dot_tile)
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + b * NT * 16), _MM_HINT_T0);
-    const float* a = a_split + b * 32;
-    const __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8);
-    const __m256 a2 = _mm256_loadu_ps(a + 16), a3 = _mm256_loadu_ps(a + 24);
+  const int64_t groups = K / 64;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int c = 0; c < NT / 2; ++c)  // the next rows' share for this group (see dot_tile)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + (g * (NT / 2) + c) * 64), _MM_HINT_T0);
+    const float* a = a_perm + g * 64;
     for (int j = 0; j < NT; ++j) {
-      __m256 even0, even1, odd0, odd1;
-      Fp4Format::decode32_split(rows[j] + b * 16, even0, even1, odd0, odd1);
-      const __m256 p = _mm256_add_ps(_mm256_fmadd_ps(a1, even1, _mm256_mul_ps(a0, even0)),
-                                     _mm256_fmadd_ps(a3, odd1, _mm256_mul_ps(a2, odd0)));
-      acc[j] = _mm256_fmadd_ps(p, _mm256_set1_ps(kTables.e8m0[scale_rows[j][b]]), acc[j]);
+      __m256 w[8];
+      Fp4Format::decode64_bf16(rows[j] + g * 32, w);
+      __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(a), w[0]);
+      __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(a + 8), w[1]);
+      for (int i = 2; i < 8; i += 2) {
+        p0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8 * i), w[i], p0);
+        p1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8 * i + 8), w[i + 1], p1);
+      }
+      const uint8_t* s = scale_rows[j] + 2 * g;
+      const __m256 sv = _mm256_set_m128(_mm_set1_ps(kTables.e8m0[s[1]]), _mm_set1_ps(kTables.e8m0[s[0]]));
+      acc[j] = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), sv, acc[j]);
     }
   }
-  return K / 32;
+  return 2 * groups;
 }
 
 // Subnormal inputs read as zero (torch.set_flush_denormal(True) sets this).
@@ -363,7 +394,7 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
       if (w.bk == 32 && !denormals_are_zero()) b = fp8_row_blocks32<NT>(rows, srows, arows[0], K, acc[0], ahead);
     }
     if constexpr (kFactorScale && std::is_same_v<Fmt, Fp4Format>) {
-      if (a_split != nullptr) b = fp4_row_blocks32<NT>(rows, srows, a_split + m0 * K, K, acc[0], ahead);
+      if (a_split != nullptr) b = fp4_row_groups64<NT>(rows, srows, a_split + m0 * K, K, acc[0], ahead);
     }
     for (; b < nblocks; ++b) {
       const int64_t k0 = b * w.bk, k1 = std::min(K, k0 + w.bk);
@@ -465,17 +496,15 @@ void decode_rows(const WeightView& w, const float* A, const float* a_split, int6
   for (; n < n_end; ++n) rows_tile<Fmt, S, 1>(w, A, a_split, M, n, out, N);
 }
 
-// A [M, K] with every full 32-block reordered as fp4_row_blocks32 reads it:
-// elements 0, 2, .., 30 of the block, then 1, 3, .., 31.
-std::vector<float> split_activation_blocks32(const float* A, int64_t M, int64_t K) {
-  std::vector<float> split(M * K);
+// A [M, K] with every full 64-element group reordered as fp4_row_groups64
+// reads it (Fp4Format::group64_element); the rest of each row as it is.
+std::vector<float> permute_activation_groups64(const float* A, int64_t M, int64_t K) {
+  std::vector<float> perm(A, A + M * K);
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t k0 = 0; k0 + 32 <= K; k0 += 32)
-      for (int i = 0; i < 16; ++i) {
-        split[m * K + k0 + i] = A[m * K + k0 + 2 * i];
-        split[m * K + k0 + 16 + i] = A[m * K + k0 + 2 * i + 1];
-      }
-  return split;
+    for (int64_t k0 = 0; k0 + 64 <= K; k0 += 64)
+      for (int i = 0; i < 8; ++i)
+        for (int l = 0; l < 8; ++l) perm[m * K + k0 + 8 * i + l] = A[m * K + k0 + Fp4Format::group64_element(i, l)];
+  return perm;
 }
 
 // Runs task(i) for i in [0, count) on torch_bq's own worker threads (as many
@@ -1231,7 +1260,7 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
   constexpr int64_t kRowsPerTask = 16;  // multiple of the tile height NT
   std::vector<float> split;
 #if defined(TORCH_BQ_AVX2)
-  if constexpr (std::is_same_v<Fmt, Fp4Format>) split = split_activation_blocks32(A, M, w.K);
+  if constexpr (std::is_same_v<Fmt, Fp4Format>) split = permute_activation_groups64(A, M, w.K);
 #endif
   const float* a_split = split.empty() ? nullptr : split.data();
   run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
