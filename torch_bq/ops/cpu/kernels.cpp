@@ -37,9 +37,9 @@
 //   for fp8 with 32-wide blocks they instead run fp8_row_blocks32, one whole
 //   block per iteration with the integer decoder below (scales up to 2**7;
 //   the rest of the row falls back to the general loop at a larger one), and
-//   fp4 runs fp4_row_groups64, two blocks per iteration, against a copy of A
-//   whose 64-element groups are permuted to the order its decoder produces,
-//   so the decoder needs no interleave.
+//   fp4 tiles of every shape run fp4_groups64, two blocks per iteration,
+//   against a copy of A whose 64-element groups are permuted to the order
+//   its decoder produces, so the decoder needs no interleave.
 //   Each output element is produced by one task in a fixed order, so the
 //   result does not depend on the thread count.
 //   With AVX-512 BF16 (TORCH_BQ_AVX512_BF16), 32-wide e8m0 blocks take the
@@ -61,10 +61,10 @@
 //        block scale * 2**120. Needs MXCSR.DAZ clear (checked per tile:
 //        torch.set_flush_denormal(True) sets it), else the F16C decoder runs.
 //   fp4: nibble -> high byte of the fp16 encoding of its e2m1 value via
-//        vpshufb (the low byte is always 0), then vcvtph2ps. The single-row
-//        loop avoids F16C (the limit there): two vpshufb give both bytes of
-//        the bf16 encoding, and a bf16 word is an fp32 after one shift or
-//        mask (Fp4Format::decode64_bf16).
+//        vpshufb (the low byte is always 0), then vcvtph2ps (block
+//        remainders only). Whole 64-groups avoid F16C (the M = 1 limit):
+//        two vpshufb give both bytes of the bf16 encoding, and a bf16 word
+//        is an fp32 after one shift or mask (Fp4Format::decode64_bf16).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -309,32 +309,37 @@ int64_t fp8_row_blocks32(const uint8_t* const* rows, const uint8_t* const* scale
   return b;
 }
 
-// MXFP4, one activation row, NT weight rows: two whole blocks (64 elements)
-// per iteration with the bf16-pattern decoder, against the activation
-// permuted to its output order (permute_activation_groups64); each block's
-// e8m0 scale is factored out of its partial sum (exact), both blocks' scales
-// in one register (lanes 0-3 and 4-7). Covers blocks [0, 2 * (K / 64)); the
-// caller's general loop takes the rest.
-template <int NT>
-int64_t fp4_row_groups64(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* a_perm,
-                         int64_t K, __m256* acc, const uint8_t* ahead) {
+// MXFP4, MT activation rows x NT weight rows: two whole blocks (64
+// elements) per iteration with the bf16-pattern decoder, against the
+// activation permuted to its output order (permute_activation_groups64).
+// Each weight group is decoded once for all MT rows; each block's e8m0 scale
+// is factored out of its partial sum (exact for a power of two), both
+// blocks' scales in one register (lanes 0-3 and 4-7), which for MT <= 8
+// costs no more multiplies than scaling the decoded weights. Covers blocks
+// [0, 2 * (K / 64)); the caller's general loop takes the rest.
+template <int MT, int NT>
+int64_t fp4_groups64(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* const* a_perm,
+                     int64_t K, __m256 (&acc)[MT][NT], const uint8_t* ahead) {
   const int64_t groups = K / 64;
   for (int64_t g = 0; g < groups; ++g) {
-    for (int c = 0; c < NT / 2; ++c)  // the next rows' share for this group (see dot_tile)
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + (g * (NT / 2) + c) * 64), _MM_HINT_T0);
-    const float* a = a_perm + g * 64;
+    for (int c = 0; c < (NT + 1) / 2; ++c)  // the next rows' share for this group (see dot_tile)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + (g * ((NT + 1) / 2) + c) * 64), _MM_HINT_T0);
     for (int j = 0; j < NT; ++j) {
       __m256 w[8];
       Fp4Format::decode64_bf16(rows[j] + g * 32, w);
-      __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(a), w[0]);
-      __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(a + 8), w[1]);
-      for (int i = 2; i < 8; i += 2) {
-        p0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8 * i), w[i], p0);
-        p1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8 * i + 8), w[i + 1], p1);
-      }
       const uint8_t* s = scale_rows[j] + 2 * g;
       const __m256 sv = _mm256_set_m128(_mm_set1_ps(kTables.e8m0[s[1]]), _mm_set1_ps(kTables.e8m0[s[0]]));
-      acc[j] = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), sv, acc[j]);
+      for (int i = 0; i < MT; ++i) {
+        const float* a = a_perm[i] + g * 64;
+        // two chains: the FMA latency, not its throughput, would bound one
+        __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(a), w[0]);
+        __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(a + 8), w[1]);
+        for (int e = 2; e < 8; e += 2) {
+          p0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8 * e), w[e], p0);
+          p1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8 * e + 8), w[e + 1], p1);
+        }
+        acc[i][j] = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), sv, acc[i][j]);
+      }
     }
   }
   return 2 * groups;
@@ -381,9 +386,11 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
   constexpr bool kFactorScale = MT == 1 && std::is_same_v<S, uint8_t>;
 #if defined(TORCH_BQ_AVX2)
   {
-    __m256 acc[MT][NT];
+    // acc_odd: a second chain per output for the multi-row loop below (a
+    // 4 x 1 tile has only four, and the FMA latency bounds them).
+    __m256 acc[MT][NT], acc_odd[MT][NT];
     for (int i = 0; i < MT; ++i)
-      for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_setzero_ps();
+      for (int j = 0; j < NT; ++j) acc[i][j] = acc_odd[i][j] = _mm256_setzero_ps();
     int64_t b = 0;
     // The weight streams from memory in NT short rows, too short for the
     // hardware prefetchers to ramp up, so the single-row loops also prefetch
@@ -393,8 +400,12 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
     if constexpr (kFactorScale && std::is_same_v<Fmt, Fp8Format>) {
       if (w.bk == 32 && !denormals_are_zero()) b = fp8_row_blocks32<NT>(rows, srows, arows[0], K, acc[0], ahead);
     }
-    if constexpr (kFactorScale && std::is_same_v<Fmt, Fp4Format>) {
-      if (a_split != nullptr) b = fp4_row_groups64<NT>(rows, srows, a_split + m0 * K, K, acc[0], ahead);
+    if constexpr (std::is_same_v<Fmt, Fp4Format> && std::is_same_v<S, uint8_t>) {
+      if (a_split != nullptr) {
+        const float* a_perm[MT];
+        for (int i = 0; i < MT; ++i) a_perm[i] = a_split + (m0 + i) * K;
+        b = fp4_groups64<MT, NT>(rows, srows, a_perm, K, acc, ahead);
+      }
     }
     for (; b < nblocks; ++b) {
       const int64_t k0 = b * w.bk, k1 = std::min(K, k0 + w.bk);
@@ -431,14 +442,14 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
             w1 = _mm256_mul_ps(w1, sv[j]);
             for (int i = 0; i < MT; ++i) {
               acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(arows[i] + k), w0, acc[i][j]);
-              acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(arows[i] + k + 8), w1, acc[i][j]);
+              acc_odd[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(arows[i] + k + 8), w1, acc_odd[i][j]);
             }
           }
         }
       }
     }
     for (int i = 0; i < MT; ++i)
-      for (int j = 0; j < NT; ++j) total[i][j] = hsum(acc[i][j]);
+      for (int j = 0; j < NT; ++j) total[i][j] = hsum(_mm256_add_ps(acc[i][j], acc_odd[i][j]));
   }
   const bool vector_pass = true;
 #else
@@ -496,7 +507,7 @@ void decode_rows(const WeightView& w, const float* A, const float* a_split, int6
   for (; n < n_end; ++n) rows_tile<Fmt, S, 1>(w, A, a_split, M, n, out, N);
 }
 
-// A [M, K] with every full 64-element group reordered as fp4_row_groups64
+// A [M, K] with every full 64-element group reordered as fp4_groups64
 // reads it (Fp4Format::group64_element); the rest of each row as it is.
 std::vector<float> permute_activation_groups64(const float* A, int64_t M, int64_t K) {
   std::vector<float> perm(A, A + M * K);
