@@ -33,13 +33,13 @@
 //   Tiles: NT = 4 weight rows x MT = 1-2 activation rows when M <= 3 (decode-
 //   bound: one A load serves four rows), else NT = 1 x MT = 8 / 4 (FMA-bound:
 //   one decode serves eight rows). Single-row tiles with e8m0 scales factor
-//   the (power-of-two) scale out of each block's partial sum, which is exact;
-//   for fp8 with 32-wide blocks they instead run fp8_row_blocks32, one whole
-//   block per iteration with the integer decoder below (scales up to 2**7;
-//   the rest of the row falls back to the general loop at a larger one), and
-//   fp4 tiles of every shape run fp4_groups64, two blocks per iteration,
-//   against a copy of A whose 64-element groups are permuted to the order
-//   its decoder produces, so the decoder needs no interleave.
+//   the (power-of-two) scale out of each block's partial sum, which is exact.
+//   With 32-wide e8m0 blocks, tiles of every shape run the F16C-free
+//   whole-block loops against a copy of A permuted to the order their
+//   decoders produce (so no decoder interleaves): fp8_blocks32, one block
+//   per iteration (scales up to 2**7; the rest of the row falls back to the
+//   general loop at a larger one), and fp4_groups64, two blocks per
+//   iteration. The general loop takes block remainders and other scales.
 //   Each output element is produced by one task in a fixed order, so the
 //   result does not depend on the thread count.
 //   With AVX-512 BF16 (TORCH_BQ_AVX512_BF16), 32-wide e8m0 blocks take the
@@ -55,11 +55,13 @@
 //        subnormals, which vcvtph2ps converts exactly). The 2**8 goes into the
 //        block scale when that stays finite; blocks whose scale * 2**8
 //        overflows take the scalar path.
-//        Single-row fp8 with 32-wide e8m0 blocks uses fewer instructions:
-//        sign-extend to int32, shift left 20, keep sign and bits 20..26 -> an
-//        fp32 whose value is e4m3(b) * 2**-120 (subnormals exact), times the
-//        block scale * 2**120. Needs MXCSR.DAZ clear (checked per tile:
-//        torch.set_flush_denormal(True) sets it), else the F16C decoder runs.
+//        Whole 32-wide e8m0 blocks use integer ops only: the magnitude bits
+//        shifted 4 to the right within a 16-bit word, the sign kept in bit
+//        15, are the bf16 encoding of e4m3(b) * 2**-120 (subnormals exact);
+//        a bf16 word is an fp32 after one shift or mask; times the block
+//        scale * 2**120 (Fp8Format::decode32_bf16). Needs MXCSR.DAZ clear
+//        (checked per tile: torch.set_flush_denormal(True) sets it), else
+//        the F16C decoder runs.
 //   fp4: nibble -> high byte of the fp16 encoding of its e2m1 value via
 //        vpshufb (the low byte is always 0), then vcvtph2ps (block
 //        remainders only). Whole 64-groups avoid F16C (the M = 1 limit):
@@ -161,15 +163,25 @@ struct Fp8Format {
     lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
     hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
   }
-  // 8 elements times `scale` (a block scale times 2**120), without F16C:
-  // sign-extend to int32, shift left 20, keep the sign and bits 20..26: an
-  // fp32 whose value is e4m3(b) * 2**-120 (E4M3 subnormals become fp32
-  // subnormals, exact). One multiply by a power of two then gives the weight
-  // element e4m3(b) * s exactly, as the reference forms it.
-  static __m256 decode8_scaled(const uint8_t* p, __m256 scale) {
-    const __m256i d = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(d, 20), _mm256_set1_epi32(static_cast<int>(0x87F00000u)));
-    return _mm256_mul_ps(_mm256_castsi256_ps(bits), scale);
+  // 32 elements (one 32-wide block) without F16C, as value * 2**-120: an
+  // E4M3 byte's magnitude bits shifted 4 to the right within a 16-bit word
+  // (the high byte by an arithmetic shift that keeps its sign in bit 15, the
+  // low byte moved up first) are the bf16 encoding of e4m3(b) * 2**-120
+  // (both biases differ by 120; E4M3 subnormals become bf16 subnormals,
+  // exact), and a bf16 word becomes an fp32 with one shift or mask. Integer
+  // ops only, 9 per 32 elements; v[i] lane d holds element 4 d + i
+  // (permute_activation_blocks32). One multiply by the block scale * 2**120
+  // then forms the weight element e4m3(b) * s exactly, as the reference does.
+  static void decode32_bf16(const uint8_t* p, __m256 (&v)[4]) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i keep = _mm256_set1_epi16(static_cast<short>(0x87F0));
+    const __m256i high_words = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const __m256i odd = _mm256_and_si256(_mm256_srai_epi16(b, 4), keep);
+    const __m256i even = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(b, 8), 4), keep);
+    v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(even, 16));
+    v[1] = _mm256_castsi256_ps(_mm256_slli_epi32(odd, 16));
+    v[2] = _mm256_castsi256_ps(_mm256_and_si256(even, high_words));
+    v[3] = _mm256_castsi256_ps(_mm256_and_si256(odd, high_words));
   }
 #endif
 };
@@ -271,41 +283,44 @@ inline float folded_scale(const float* s, int64_t i, bool& ok) {
 #endif
 
 #if defined(TORCH_BQ_AVX2)
-// fp8 with 32-wide e8m0 blocks (32x32, 1x32), one activation row, NT weight
-// rows: the decode-bound case, so one whole block per iteration with the
-// fewest vector instructions per element (4 per 8: load+sign-extend, shift,
-// and, multiply, plus the FMA). The block's 32 A values are loaded once for
-// all NT rows; two accumulators per row halve the FMA dependency chain.
-// Covers blocks [0, K/32) and returns the first block it did not do: the
-// partial last block, or a block whose scale * 2**120 would overflow
+// fp8 with 32-wide e8m0 blocks (32x32, 1x32), MT activation rows x NT
+// weight rows, one whole block per iteration with the F16C-free decoder
+// (Fp8Format::decode32_bf16) against the activation permuted to its order
+// (permute_activation_blocks32): per 32 elements 9 integer ops and 4
+// multiplies per weight row, then 4 multiply-adds and 2 adds per activation
+// row. Covers blocks [0, K/32) and returns the first block it did not
+// do: the partial last block, or a block whose scale * 2**120 would overflow
 // (code > 134, i.e. a scale above 2**7), which the caller's general loop
 // then takes over. Needs MXCSR.DAZ clear (the decoded subnormals are inputs).
-template <int NT>
-int64_t fp8_row_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* a, int64_t K,
-                         __m256* acc, const uint8_t* ahead) {
-  __m256 acc_odd[NT];
-  for (int j = 0; j < NT; ++j) acc_odd[j] = _mm256_setzero_ps();
+template <int MT, int NT>
+int64_t fp8_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* const* a_perm,
+                     int64_t K, __m256 (&acc)[MT][NT], const uint8_t* ahead) {
   int64_t b = 0;
   for (; b < K / 32; ++b) {
     uint32_t max_code = 0;
     for (int j = 0; j < NT; ++j) max_code = std::max<uint32_t>(max_code, scale_rows[j][b]);
     if (max_code > 134) break;
-    const int64_t k = b * 32;
-    for (int c = 0; c < NT / 2; ++c)  // the next rows' share for this block (see dot_tile)
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + (b * (NT / 2) + c) * 64), _MM_HINT_T0);
-    const __m256 a0 = _mm256_loadu_ps(a + k), a1 = _mm256_loadu_ps(a + k + 8);
-    const __m256 a2 = _mm256_loadu_ps(a + k + 16), a3 = _mm256_loadu_ps(a + k + 24);
+    for (int c = 0; c < (NT + 1) / 2; ++c)  // the next rows' share for this block (see dot_tile)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + (b * ((NT + 1) / 2) + c) * 64), _MM_HINT_T0);
     for (int j = 0; j < NT; ++j) {
       // 2**(code - 127) * 2**120, exact for codes 0..134 (code 0 included).
       const __m256 s = _mm256_set1_ps(f32_from_bits((uint32_t(scale_rows[j][b]) + 120) << 23));
-      const uint8_t* wk = rows[j] + k;
-      acc[j] = _mm256_fmadd_ps(a0, Fp8Format::decode8_scaled(wk, s), acc[j]);
-      acc_odd[j] = _mm256_fmadd_ps(a1, Fp8Format::decode8_scaled(wk + 8, s), acc_odd[j]);
-      acc[j] = _mm256_fmadd_ps(a2, Fp8Format::decode8_scaled(wk + 16, s), acc[j]);
-      acc_odd[j] = _mm256_fmadd_ps(a3, Fp8Format::decode8_scaled(wk + 24, s), acc_odd[j]);
+      __m256 v[4];
+      Fp8Format::decode32_bf16(rows[j] + b * 32, v);
+      for (int e = 0; e < 4; ++e) v[e] = _mm256_mul_ps(v[e], s);
+      for (int i = 0; i < MT; ++i) {
+        // The block's partial sum in two short chains of its own, then one
+        // add into the accumulator (on the adder, not the FMA units): the
+        // only loop-carried dependency is that add, whatever the tile height.
+        const float* a = a_perm[i] + b * 32;
+        __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(a), v[0]);
+        __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(a + 8), v[1]);
+        p0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 16), v[2], p0);
+        p1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 24), v[3], p1);
+        acc[i][j] = _mm256_add_ps(acc[i][j], _mm256_add_ps(p0, p1));
+      }
     }
   }
-  for (int j = 0; j < NT; ++j) acc[j] = _mm256_add_ps(acc[j], acc_odd[j]);
   return b;
 }
 
@@ -397,14 +412,15 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
     // NT rows two tiles ahead (contiguous with these; one tile ahead measured
     // 10-25% slower at M = 1 on a Zen 5).
     const uint8_t* ahead = w.data + (n0 + 2 * NT) * w.row_stride;
-    if constexpr (kFactorScale && std::is_same_v<Fmt, Fp8Format>) {
-      if (w.bk == 32 && !denormals_are_zero()) b = fp8_row_blocks32<NT>(rows, srows, arows[0], K, acc[0], ahead);
-    }
-    if constexpr (std::is_same_v<Fmt, Fp4Format> && std::is_same_v<S, uint8_t>) {
-      if (a_split != nullptr) {
+    if constexpr (std::is_same_v<S, uint8_t>) {
+      if (a_split != nullptr) {  // the F16C-free whole-block loops, against the permuted A
         const float* a_perm[MT];
         for (int i = 0; i < MT; ++i) a_perm[i] = a_split + (m0 + i) * K;
-        b = fp4_groups64<MT, NT>(rows, srows, a_perm, K, acc, ahead);
+        if constexpr (std::is_same_v<Fmt, Fp4Format>) b = fp4_groups64<MT, NT>(rows, srows, a_perm, K, acc, ahead);
+        if constexpr (std::is_same_v<Fmt, Fp8Format>) {
+          if (!denormals_are_zero())  // this thread's MXCSR (a worker's may differ from the caller's)
+            b = fp8_blocks32<MT, NT>(rows, srows, a_perm, K, acc, ahead);
+        }
       }
     }
     for (; b < nblocks; ++b) {
@@ -482,19 +498,32 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
     for (int j = 0; j < NT; ++j) out[(m0 + i) * N + n0 + j] = total[i][j];
 }
 
-// All M rows of A against W[n:n+NT, :]: with NT = 1, row tiles of 8 and 4
-// (A is re-read from L1/L2, each decoded chunk is shared by 8 or 4 rows);
-// with NT = 4 (M <= 3), tiles of 2 and 1 rows.
+// All M rows of A against W[n:n+NT, :] in row tiles of near-equal height,
+// at most 8 (NT = 1) or 3 (NT = 4, M <= 3): every tile decodes the weight
+// rows once more, so M = 8 q + r costs q + 1 decodes, never q + 2 or 3 (a
+// tile of 1 or 2 rows after the 8s and 4s was the M = 5 and M = 9 steps).
 template <class Fmt, class S, int NT>
 void rows_tile(const WeightView& w, const float* A, const float* a_split, int64_t M, int64_t n, float* out,
                int64_t N) {
-  int64_t m = 0;
-  if constexpr (NT == 1) {
-    for (; m + 8 <= M; m += 8) dot_tile<Fmt, S, 8, 1>(w, A, a_split, m, n, out, N);
-    for (; m + 4 <= M; m += 4) dot_tile<Fmt, S, 4, 1>(w, A, a_split, m, n, out, N);
+  constexpr int kMaxMT = NT == 4 ? 3 : 8;
+  const int64_t tiles = (M + kMaxMT - 1) / kMaxMT;
+  int64_t m0 = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t mt = (M - m0) / (tiles - t);
+    switch (mt) {
+#define TORCH_BQ_ROWS(R)                                       \
+  case R:                                                      \
+    if constexpr (R <= kMaxMT) {                               \
+      dot_tile<Fmt, S, R, NT>(w, A, a_split, m0, n, out, N);   \
+    }                                                          \
+    break;
+      TORCH_BQ_ROWS(1) TORCH_BQ_ROWS(2) TORCH_BQ_ROWS(3) TORCH_BQ_ROWS(4)
+      TORCH_BQ_ROWS(5) TORCH_BQ_ROWS(6) TORCH_BQ_ROWS(7) TORCH_BQ_ROWS(8)
+#undef TORCH_BQ_ROWS
+      default: break;
+    }
+    m0 += mt;
   }
-  for (; m + 2 <= M; m += 2) dot_tile<Fmt, S, 2, NT>(w, A, a_split, m, n, out, N);
-  if (m < M) dot_tile<Fmt, S, 1, NT>(w, A, a_split, m, n, out, N);
 }
 
 template <class Fmt, class S>
@@ -515,6 +544,17 @@ std::vector<float> permute_activation_groups64(const float* A, int64_t M, int64_
     for (int64_t k0 = 0; k0 + 64 <= K; k0 += 64)
       for (int i = 0; i < 8; ++i)
         for (int l = 0; l < 8; ++l) perm[m * K + k0 + 8 * i + l] = A[m * K + k0 + Fp4Format::group64_element(i, l)];
+  return perm;
+}
+
+// A [M, K] with every full 32-block reordered as fp8_blocks32 reads it
+// (element 4 d + i at 8 i + d); the rest of each row as it is.
+std::vector<float> permute_activation_blocks32(const float* A, int64_t M, int64_t K) {
+  std::vector<float> perm(A, A + M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k0 = 0; k0 + 32 <= K; k0 += 32)
+      for (int i = 0; i < 4; ++i)
+        for (int d = 0; d < 8; ++d) perm[m * K + k0 + 8 * i + d] = A[m * K + k0 + 4 * d + i];
   return perm;
 }
 
@@ -1271,7 +1311,13 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
   constexpr int64_t kRowsPerTask = 16;  // multiple of the tile height NT
   std::vector<float> split;
 #if defined(TORCH_BQ_AVX2)
-  if constexpr (std::is_same_v<Fmt, Fp4Format>) split = permute_activation_groups64(A, M, w.K);
+  if constexpr (std::is_same_v<S, uint8_t>) {
+    if constexpr (std::is_same_v<Fmt, Fp4Format>) split = permute_activation_groups64(A, M, w.K);
+    // The fp8 decoder's subnormals are inputs of its multiplies: with DAZ set it cannot run.
+    if constexpr (std::is_same_v<Fmt, Fp8Format>) {
+      if (w.bk == 32 && !denormals_are_zero()) split = permute_activation_blocks32(A, M, w.K);
+    }
+  }
 #endif
   const float* a_split = split.empty() ? nullptr : split.data();
   run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
