@@ -536,6 +536,7 @@ void decode_rows(const WeightView& w, const float* A, const float* a_split, int6
   for (; n < n_end; ++n) rows_tile<Fmt, S, 1>(w, A, a_split, M, n, out, N);
 }
 
+#if defined(TORCH_BQ_AVX2)
 // A [M, K] with every full 64-element group reordered as fp4_groups64
 // reads it (Fp4Format::group64_element); the rest of each row as it is.
 std::vector<float> permute_activation_groups64(const float* A, int64_t M, int64_t K) {
@@ -557,6 +558,7 @@ std::vector<float> permute_activation_blocks32(const float* A, int64_t M, int64_
         for (int d = 0; d < 8; ++d) perm[m * K + k0 + 8 * i + d] = A[m * K + k0 + 4 * d + i];
   return perm;
 }
+#endif
 
 // Runs task(i) for i in [0, count) on torch_bq's own worker threads (as many
 // as torch.get_num_threads(), the caller included). Tasks are handed out
