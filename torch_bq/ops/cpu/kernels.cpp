@@ -295,6 +295,8 @@ inline float folded_scale(const float* s, int64_t i, bool& ok) {
 template <int MT, int NT>
 int64_t fp8_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* const* a_perm,
                      int64_t K, __m256 (&acc)[MT][NT], const uint8_t* ahead) {
+  __m256 acc_odd[NT];  // the second chain of each single-row output
+  for (int j = 0; j < NT; ++j) acc_odd[j] = _mm256_setzero_ps();
   int64_t b = 0;
   for (; b < K / 32; ++b) {
     uint32_t max_code = 0;
@@ -308,6 +310,14 @@ int64_t fp8_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_row
       __m256 v[4];
       Fp8Format::decode32_bf16(rows[j] + b * 32, v);
       for (int e = 0; e < 4; ++e) v[e] = _mm256_mul_ps(v[e], s);
+      if constexpr (MT == 1) {  // NT = 4: eight chains already, and no adds
+        const float* a = a_perm[0] + b * 32;
+        acc[0][j] = _mm256_fmadd_ps(_mm256_loadu_ps(a), v[0], acc[0][j]);
+        acc_odd[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8), v[1], acc_odd[j]);
+        acc[0][j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + 16), v[2], acc[0][j]);
+        acc_odd[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + 24), v[3], acc_odd[j]);
+        continue;
+      }
       for (int i = 0; i < MT; ++i) {
         // The block's partial sum in two short chains of its own, then one
         // add into the accumulator (on the adder, not the FMA units): the
@@ -321,6 +331,8 @@ int64_t fp8_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_row
       }
     }
   }
+  if constexpr (MT == 1)
+    for (int j = 0; j < NT; ++j) acc[0][j] = _mm256_add_ps(acc[0][j], acc_odd[j]);
   return b;
 }
 
