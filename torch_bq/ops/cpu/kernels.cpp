@@ -30,9 +30,9 @@
 //   the dot product; the decoded weight never reaches memory:
 //     for n-tile (NT rows): for m-tile (MT rows): for k-block b: s = scale[n/bn, b]
 //       for 16-wide chunk: w = decode16(W[n, k:k+16]) * s; acc[m][n] += A[m, k:k+16] * w
-//   Tiles: NT = 4 weight rows x MT = 1-2 activation rows when M <= 3 (decode-
-//   bound: one A load serves four rows), else NT = 1 x MT = 8 / 4 (FMA-bound:
-//   one decode serves eight rows). Single-row tiles with e8m0 scales factor
+//   Tiles: NT = 4 weight rows x MT = M activation rows when M <= 3 (decode-
+//   bound: one A load serves four rows), else NT = 1 x MT <= 8 in row tiles
+//   of near-equal height (FMA-bound: one decode serves up to eight rows). Single-row tiles with e8m0 scales factor
 //   the (power-of-two) scale out of each block's partial sum, which is exact.
 //   With 32-wide e8m0 blocks, tiles of every shape run the F16C-free
 //   whole-block loops against a copy of A permuted to the order their
