@@ -32,8 +32,9 @@
 //       for 16-wide chunk: w = decode16(W[n, k:k+16]) * s; acc[m][n] += A[m, k:k+16] * w
 //   Tiles: NT = 4 weight rows x MT = M activation rows when M <= 3 (decode-
 //   bound: one A load serves four rows), else NT = 1 x MT <= 8 in row tiles
-//   of near-equal height (FMA-bound: one decode serves up to eight rows). Single-row tiles with e8m0 scales factor
-//   the (power-of-two) scale out of each block's partial sum, which is exact.
+//   of near-equal height (FMA-bound: one decode serves up to eight rows).
+//   Single-row tiles with e8m0 scales factor the (power-of-two) scale out of
+//   each block's partial sum, which is exact.
 //   With 32-wide e8m0 blocks, tiles of every shape run the F16C-free
 //   whole-block loops against a copy of A permuted to the order their
 //   decoders produce (so no decoder interleaves): fp8_blocks32, one block
@@ -213,9 +214,9 @@ struct Fp4Format {
   // of the bf16 (= upper half of the fp32) encoding of each e2m1 value, one
   // byte unpack pairs them into bf16 words, and each word becomes an fp32
   // with one integer op (shift left 16 for even words, mask for odd ones).
-  // 1 load + 3 + 4 + 4 + 8 vector ops per 64 elements, none on the FMA
-  // pipes' conversion units; the values come out in a fixed order that the
-  // caller's activation is permuted to (kGroup64Element).
+  // 1 load + 3 + 4 + 4 + 8 vector ops per 64 elements, no conversions; the
+  // values come out in a fixed order that the caller's activation is
+  // permuted to (group64_element).
   static void decode64_bf16(const uint8_t* p, __m256 (&w)[8]) {
     // bytes 2 and 3 of the fp32 encoding of e2m1 codes 0..15 (sign in bit 3; -0 for code 8)
     const __m256i lb = _mm256_setr_epi8(0, 0, char(0x80), char(0xC0), 0, 0x40, char(0x80), char(0xC0), 0, 0,
@@ -310,7 +311,7 @@ int64_t fp8_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_row
       __m256 v[4];
       Fp8Format::decode32_bf16(rows[j] + b * 32, v);
       for (int e = 0; e < 4; ++e) v[e] = _mm256_mul_ps(v[e], s);
-      if constexpr (MT == 1) {  // NT = 4: eight chains already, and no adds
+      if constexpr (MT == 1) {  // two chains per output (eight at NT = 4), no adds
         const float* a = a_perm[0] + b * 32;
         acc[0][j] = _mm256_fmadd_ps(_mm256_loadu_ps(a), v[0], acc[0][j]);
         acc_odd[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8), v[1], acc_odd[j]);
@@ -341,8 +342,8 @@ int64_t fp8_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_row
 // activation permuted to its output order (permute_activation_groups64).
 // Each weight group is decoded once for all MT rows; each block's e8m0 scale
 // is factored out of its partial sum (exact for a power of two), both
-// blocks' scales in one register (lanes 0-3 and 4-7), which for MT <= 8
-// costs no more multiplies than scaling the decoded weights. Covers blocks
+// blocks' scales in one register (lanes 0-3 and 4-7): MT multiply-adds per
+// group where scaling the decoded weights would take 8 multiplies. Covers blocks
 // [0, 2 * (K / 64)); the caller's general loop takes the rest.
 template <int MT, int NT>
 int64_t fp4_groups64(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* const* a_perm,
