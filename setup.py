@@ -13,7 +13,7 @@ version = re.search(r'^__version__ = "(.+)"$', Path("torch_bq/__init__.py").read
 isa = runpy.run_path("torch_bq/ops/cpu/isa.py")
 # The sources of each level's library (kernels.cpp defines the op library, the others add to it;
 # torch_bq/ops/_backend.py: CPU_KERNEL_SOURCES).
-SOURCES = (Path("torch_bq/ops/cpu/kernels.cpp"), Path("torch_bq/ops/cpu/attention.cpp"))
+SOURCES = tuple(Path("torch_bq/ops/cpu", name) for name in ("kernels.cpp", "attention.cpp", "nvfp4.cpp"))
 
 
 def cpu_kernel_extensions():

@@ -195,7 +195,7 @@ def neuron_lnc() -> int:
 
 CPU_KERNEL_SOURCE = Path(__file__).parent / "cpu" / "kernels.cpp"
 # Every source of one level's library (kernels.cpp defines the op library, the others add to it).
-CPU_KERNEL_SOURCES = (CPU_KERNEL_SOURCE, CPU_KERNEL_SOURCE.parent / "attention.cpp")
+CPU_KERNEL_SOURCES = tuple(CPU_KERNEL_SOURCE.parent / name for name in ("kernels.cpp", "attention.cpp", "nvfp4.cpp"))
 # Where setup.py puts the libraries it builds at install time (next to the source).
 INSTALLED_DIR = CPU_KERNEL_SOURCE.parent
 
