@@ -49,8 +49,12 @@ DECODE_MAX_M = {
     "generic": {"fp8": 16, "fp4": 16, "long_k": None},
 }
 # NVFP4 (nvfp4.cpp), by the build's NVFP4 decode kernels (the kernels'
-# ``nvfp4_decode_isa()``: fp32 FMA at every level, 16 lanes from AVX-512 on).
-NVFP4_DECODE_MAX_M = {"avx512": 16, "avx2": 16, "generic": 16}
+# ``nvfp4_decode_isa()``: fp32 FMA at every level, 16 lanes from AVX-512 on;
+# the prefill path is the fp32 microkernel everywhere). Measured on 1 thread,
+# 4096x4096 (Zen 5, 2026-12-01, a loaded machine): AVX-512 crosses over between
+# M = 24 and 32, AVX2 between 8 and 16; the generic build's scalar decode loses
+# to its at::mm panels (MKL's own AVX-512 here) from M = 1, so only M = 1 stays.
+NVFP4_DECODE_MAX_M = {"avx512": 24, "avx2": 8, "generic": 1}
 PANEL_BYTES = 4 << 20
 
 _decode_isa: dict = {}

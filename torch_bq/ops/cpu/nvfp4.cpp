@@ -55,6 +55,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "isa.h"
 #include "shared.h"
@@ -111,14 +112,31 @@ struct Block {
     const __m128i nibbles = _mm_unpacklo_epi8(b, _mm_srli_epi16(b, 4));  // element order
     return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nibbles), _mm512_load_ps(table + code * 16));
   }
+  // Two blocks (16 bytes) in split order, for an activation permuted to match
+  // (split_pairs): `even` holds the low nibbles (lanes 0-7: elements 0, 2, .., 14
+  // of block 0; lanes 8-15: of block 1), `odd` the high ones. One vpermt2ps per
+  // 16 elements looks both blocks' rows up (index bit 4: the second block).
+  static constexpr bool kPairs = true;
+  static void decode_pair(const float* table, const uint8_t* bytes, const uint8_t* codes, W& even, W& odd) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+    const __m512i second = _mm512_maskz_set1_epi32(0xFF00, 16);
+    const __m512i index_even = _mm512_ternarylogic_epi32(b, _mm512_set1_epi32(0x0F), second, 0xEA);  // (b & 15) | second
+    const __m512i index_odd = _mm512_or_si512(_mm512_srli_epi32(b, 4), second);
+    const __m512 t0 = _mm512_load_ps(table + codes[0] * 16), t1 = _mm512_load_ps(table + codes[1] * 16);
+    even = _mm512_permutex2var_ps(t0, index_even, t1);
+    odd = _mm512_permutex2var_ps(t0, index_odd, t1);
+  }
   static void fma(const float* a, const W& w, Acc& acc) { acc = _mm512_fmadd_ps(_mm512_loadu_ps(a), w, acc); }
   static void store(float* dst, const W& w) { _mm512_storeu_ps(dst, w); }
+  static Acc add(const Acc& x, const Acc& y) { return _mm512_add_ps(x, y); }
   static float sum(const Acc& acc) { return _mm512_reduce_add_ps(acc); }
+  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 };
 #elif defined(TORCH_BQ_AVX2)
 struct Block {
   static constexpr const char* kIsa = "avx2";
   static constexpr int kMaxMT = 4, kWideNT = 1;  // 2 x MT accumulators of 16 registers
+  static constexpr bool kPairs = false;
   struct W {
     __m256 lo, hi;
   };
@@ -155,6 +173,7 @@ struct Block {
 struct Block {
   static constexpr const char* kIsa = "generic";
   static constexpr int kMaxMT = 4, kWideNT = 1;
+  static constexpr bool kPairs = false;
   struct W {
     float v[kBlock];
   };
@@ -187,6 +206,25 @@ struct Block {
 // decode path: out[m0:m0+MT, n0:n0+NT] for one tile
 // --------------------------------------------------------------------------
 
+// A [M, K] with every full 32-element pair of blocks reordered as decode_pair
+// reads it: elements 0, 2, .., 30 of the pair, then 1, 3, .., 31 (the rest as is).
+std::vector<float> split_pairs(const float* A, int64_t M, int64_t K) {
+  std::vector<float> split(A, A + M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k0 = 0; k0 + 2 * kBlock <= K; k0 += 2 * kBlock)
+      for (int i = 0; i < kBlock; ++i) {
+        split[m * K + k0 + i] = A[m * K + k0 + 2 * i];
+        split[m * K + k0 + kBlock + i] = A[m * K + k0 + 2 * i + 1];
+      }
+  return split;
+}
+
+// A: split_pairs(A) where kPairs (its partial last pair, read here in element order, is as is).
+// The pair decoder runs in the decode-bound tiles only (NT = 4, M <= 3; measured faster there,
+// slower than one block at a time when several A rows share each decode).
+template <int NT>
+constexpr bool kPairs = Block::kPairs && NT == 4;
+
 template <int MT, int NT>
 void tile(const Weight& w, const float* A, int64_t m0, int64_t n0, float* out, int64_t N) {
   const int64_t K = w.K, full = K / kBlock;
@@ -201,7 +239,36 @@ void tile(const Weight& w, const float* A, int64_t m0, int64_t n0, float* out, i
   typename Block::Acc acc[MT][NT];
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NT; ++j) acc[i][j] = Block::zero();
-  for (int64_t b = 0; b < full; ++b) {
+  int64_t b = 0;
+#if defined(TORCH_BQ_AVX512)  // (Block's pair members exist only there)
+  if constexpr (kPairs<NT>) {
+    // Few accumulators: a second set (the odd halves) halves the FMA dependency chains.
+    constexpr bool kTwo = MT * NT <= 8;
+    typename Block::Acc odd_acc[MT][NT];
+    for (int i = 0; i < MT; ++i)
+      for (int j = 0; j < NT; ++j) odd_acc[i][j] = Block::zero();
+    // The weight streams in NT short rows, too short for the hardware prefetchers
+    // to ramp up: prefetch the rows two tiles ahead (contiguous with these) at the
+    // rate these are read, as kernels.cpp's decode tiles do.
+    const uint8_t* ahead = w.data + std::min(n0 + 2 * NT, N - 1) * w.row_bytes;
+    for (int64_t pair = 0; pair < K / (2 * kBlock); ++pair) {
+      if (((pair * NT * kBlock) & 63) < NT * kBlock) Block::prefetch(ahead + pair * NT * kBlock);
+      for (int j = 0; j < NT; ++j) {
+        typename Block::W even, odd;
+        Block::decode_pair(w.table, rows[j] + pair * kBlock, srows[j] + 2 * pair, even, odd);
+        for (int i = 0; i < MT; ++i) {
+          Block::fma(arows[i] + pair * 2 * kBlock, even, acc[i][j]);
+          Block::fma(arows[i] + pair * 2 * kBlock + kBlock, odd, kTwo ? odd_acc[i][j] : acc[i][j]);
+        }
+      }
+    }
+    if constexpr (kTwo)
+      for (int i = 0; i < MT; ++i)
+        for (int j = 0; j < NT; ++j) acc[i][j] = Block::add(acc[i][j], odd_acc[i][j]);
+    b = K / (2 * kBlock) * 2;
+  }
+#endif
+  for (; b < full; ++b) {
     for (int j = 0; j < NT; ++j) {
       const typename Block::W wv = Block::decode(w.table, rows[j] + b * kBlockBytes, srows[j][b]);
       for (int i = 0; i < MT; ++i) Block::fma(arows[i] + b * kBlock, wv, acc[i][j]);
@@ -246,14 +313,19 @@ void rows_tile(const Weight& w, const float* A, int64_t M, int64_t n0, float* ou
 
 void decode_linear(const Weight& w, const float* A, int64_t M, int64_t N, float* out) {
   constexpr int64_t kRowsPerTask = 16;  // a multiple of every NT
+  std::vector<float> split;
+  if (kPairs<4> && M <= 3) split = split_pairs(A, M, w.K);  // the rows the NT = 4 tiles read
+  const float* a = split.empty() ? A : split.data();
   torch_bq_cpu_shared::run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
     const int64_t n_end = std::min(N, (t + 1) * kRowsPerTask);
     int64_t n = t * kRowsPerTask;
     if (M <= 3) {
-      for (; n + 4 <= n_end; n += 4) rows_tile<4>(w, A, M, n, out, N);
-    } else if constexpr (Block::kWideNT == 2) {
-      for (; n + 2 <= n_end; n += 2) rows_tile<2>(w, A, M, n, out, N);
+      for (; n + 4 <= n_end; n += 4) rows_tile<4>(w, a, M, n, out, N);
+      for (; n < n_end; ++n) rows_tile<1>(w, A, M, n, out, N);
+      return;
     }
+    if constexpr (Block::kWideNT == 2)
+      for (; n + 2 <= n_end; n += 2) rows_tile<2>(w, A, M, n, out, N);
     for (; n < n_end; ++n) rows_tile<1>(w, A, M, n, out, N);
   });
 }
