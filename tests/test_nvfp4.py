@@ -457,6 +457,26 @@ def test_op_dispatches_to_the_fast_kernel_and_set_kernel_enabled_switches_it_off
     assert len(calls) == 2
 
 
+@pytest.mark.skipif(not HAS_COMPILER, reason="needs the compiled kernels")
+@pytest.mark.parametrize("level", LEVELS)
+def test_opcheck_runs_the_fast_kernel_of_each_level(level):
+    """opcheck (schema, fake tensors, autograd registration, AOT dispatch) with the op dispatching to
+    the fast kernel of ``level``, on both sides of its decode / prefill boundary."""
+    torch.manual_seed(1)
+    packed, scale, s2 = formats.quantize_nvfp4(torch.randn(20, 45))
+    previous = _backend.set_cpu_isa_cap(level)
+    try:
+        kernels = _backend.cpu_selection().ops
+        assert _backend.cpu_selection().isa == level and kernels is not None
+        limit = fast.decode_max_m(kernels, "nvfp4", 45)
+        for m, act_quant in ((1, False), (limit + 1, True)):
+            x = torch.randn(m, 45, dtype=torch.bfloat16)
+            torch.library.opcheck(torch.ops.torch_bq.nvfp4_linear,
+                                  (x, packed, scale.view(torch.uint8), s2, None, act_quant, 224.0, torch.float32))
+    finally:
+        _backend.set_cpu_isa_cap(previous)
+
+
 def test_fast_kernel_raises_the_reference_errors():
     packed, scale, s2 = formats.quantize_nvfp4(torch.randn(8, 40))
     with pytest.raises(ValueError, match=r"weight: expected shape \[N, 21\]"):
