@@ -14,6 +14,12 @@ activations not quantized (W4A16, both formats):
 and prints ratios (> 1: nvfp4 is faster). The CPU model, the kernels' ISA
 level, the thread count and the load average are printed with the numbers.
 
+``--clock thread`` (the default with one thread) times the calling thread's CPU
+time (``time.thread_time``): with one thread every kernel runs on the caller, and
+a thread the OS has descheduled for another process accumulates none, so on a
+shared machine the medians track the work rather than the wait (memory and cache
+contention still show). ``--clock wall`` times wall time.
+
 Usage::
 
     python -m benchmarks.nvfp4_cpu                      # 4096x4096 and 14336x4096, M = 1, 8, 32, 128, 1 thread
@@ -27,19 +33,35 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.prefill_cpu import cpu_model, interleaved_medians, load_average  # noqa: E402
+from benchmarks.prefill_cpu import cpu_model, load_average  # noqa: E402
 from torch_bq import formats, ops  # noqa: E402
 from torch_bq.ops import _backend  # noqa: E402
 from torch_bq.ops.cpu import linear as fast  # noqa: E402
 
 SHAPES = [(4096, 4096), (14336, 4096)]
+CLOCKS = {"thread": time.thread_time, "wall": time.perf_counter}
 
 
-def bench_shape(n: int, k: int, rows: list, reps: int) -> list:
+def interleaved_medians(calls: dict, reps: int, clock) -> dict:
+    """Median ``clock`` seconds per call of each entry, the entries called in turn ``reps`` times (after a warm-up)."""
+    for fn in calls.values():
+        fn()
+    times = {name: [] for name in calls}
+    for _ in range(reps):
+        for name, fn in calls.items():
+            start = clock()
+            fn()
+            times[name].append(clock() - start)
+    return {name: statistics.median(samples) for name, samples in times.items()}
+
+
+def bench_shape(n: int, k: int, rows: list, reps: int, clock) -> list:
     torch.manual_seed(0)
     w = torch.randn(n, k, dtype=torch.bfloat16)
     p, s, s2 = formats.quantize_nvfp4(w)
@@ -63,6 +85,7 @@ def bench_shape(n: int, k: int, rows: list, reps: int) -> list:
                 "F.bf16": lambda: F.linear(x, w_bf16),
             },
             reps,
+            clock,
         )
         path = "decode" if m <= fast.decode_max_m(_backend.cpu_kernels(), "nvfp4", k) else "prefill"
         results.append({"n": n, "k": k, "m": m, "path": path, "load": f"{before} -> {load_average()}", **t})
@@ -90,15 +113,18 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--reps", type=int, default=5, help="interleaved rounds; medians are reported")
     parser.add_argument("--shape", type=int, nargs=2, metavar=("N", "K"), help="this shape only")
+    parser.add_argument("--clock", choices=list(CLOCKS), default=None,
+                        help="thread CPU time or wall time (default: thread with 1 thread, else wall)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    clock = args.clock or ("thread" if args.threads == 1 else "wall")
     info = ops.backend_info()["cpu"]
     print(f"CPU: {cpu_model()}; supports {', '.join(info['supported'])}; torch_bq kernels: {info['kernels']} at "
           f"{info['isa']} ({info['source']}); torch {torch.__version__}; {torch.get_num_threads()} threads, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; load average {load_average()}")
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; {clock} clock; load average {load_average()}")
     results = []
     for n, k in [tuple(args.shape)] if args.shape else SHAPES:
-        results += bench_shape(n, k, args.rows, args.reps)
+        results += bench_shape(n, k, args.rows, args.reps, CLOCKS[clock])
     print()
     print(table(results))
 
