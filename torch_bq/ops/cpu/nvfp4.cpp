@@ -30,7 +30,10 @@
 // subnormals, and an NVFP4 weight is in general not exact in bf16 at all
 // (scale_2 is any float32), so these kernels never use bf16 dot products; the
 // fp32 FMA keeps subnormal weights and products as IEEE arithmetic does.
-//   AVX-512: a block's 16 nibbles index its table row with one vpermps.
+//   AVX-512: a block's 16 nibbles index its table row with one vpermps; in the
+//         M <= 3 tiles two blocks at a time, one vpermt2ps per 16 elements
+//         against an activation whose 32-element pairs are permuted (even
+//         elements, then odd) to match the nibble order (Block::decode_pair).
 //   AVX2: the row's first 8 entries (nibbles 0-7) with two vpermps of 8; the
 //         nibble's bit 3 flips the sign (T[c][v + 8] = -T[c][v] exactly:
 //         rounding to nearest is symmetric, -0 and NaN included).
@@ -45,6 +48,8 @@
 //   (one A load serves four weight rows), else NT = 2 (AVX-512) or 1 x MT <= 8
 //   / 4 rows (one decode serves several A rows). Each output element is summed
 //   by one task in a fixed order: the result does not depend on the thread count.
+//   The M <= 3 tiles also prefetch the weight rows two tiles ahead (short row
+//   streams do not train the hardware prefetchers).
 // Prefill (M > decode_max_m): kernels.cpp's prefill path (shared.h:
 //   prefill_fp32) with fp32 rows decoded here through the same table.
 
