@@ -369,6 +369,19 @@ def test_fast_subnormal_scales_and_float32_subnormal_weights(impl, m, codes, s2,
 
 
 @twins
+@pytest.mark.parametrize("m", [1, 3, 4, 33])
+@pytest.mark.parametrize("exponent", [-110, -125, -131])
+def test_fast_tiny_activations(impl, m, exponent, path):
+    """bf16 activations near and below the normal range (subnormal at 2**-131) against large
+    weights: fp32 FMAs keep them (a kernel built on vdpbf16ps would read them as zero)."""
+    torch.manual_seed(-exponent)
+    x = (torch.randn(m, 96) * 2.0**exponent).to(torch.bfloat16)
+    packed, scale, s2 = formats.quantize_nvfp4(torch.randn(20, 96) * 2.0**40)
+    y = IMPLS[impl](x, packed, scale, s2, None, False, 224.0, torch.float32)
+    assert_linear_close(y, x, formats.dequantize_nvfp4(packed, scale, s2))
+
+
+@twins
 @pytest.mark.parametrize("m", [1, 4, 40])
 def test_fast_weights_that_overflow_to_inf(impl, m, path):
     """With s2 = 2**120, 2 x 448 x s2 rounds to inf (as the reference decodes it), 0.5 x 448 x s2 stays
