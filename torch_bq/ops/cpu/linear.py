@@ -1,4 +1,5 @@
-"""CPU kernels of ``torch_bq::fp8_linear``, ``fp4_linear``, ``nvfp4_linear``, ``bf16_linear``, ``fp32w_linear`` and ``qdq_fp8``.
+"""CPU kernels of ``torch_bq::fp8_linear``, ``fp4_linear``, ``nvfp4_linear``, ``bf16_linear``, ``fp32w_linear``
+and ``qdq_fp8``.
 
 Twins of :mod:`torch_bq.reference.linear` and :func:`torch_bq.formats.qdq_fp8`:
 same positional signatures, same results (qdq bit-exact; linear up to fp32

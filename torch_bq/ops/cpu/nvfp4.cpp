@@ -125,7 +125,8 @@ struct Block {
   static void decode_pair(const float* table, const uint8_t* bytes, const uint8_t* codes, W& even, W& odd) {
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
     const __m512i second = _mm512_maskz_set1_epi32(0xFF00, 16);
-    const __m512i index_even = _mm512_ternarylogic_epi32(b, _mm512_set1_epi32(0x0F), second, 0xEA);  // (b & 15) | second
+    // (b & 15) | second
+    const __m512i index_even = _mm512_ternarylogic_epi32(b, _mm512_set1_epi32(0x0F), second, 0xEA);
     const __m512i index_odd = _mm512_or_si512(_mm512_srli_epi32(b, 4), second);
     const __m512 t0 = _mm512_load_ps(table + codes[0] * 16), t1 = _mm512_load_ps(table + codes[1] * 16);
     even = _mm512_permutex2var_ps(t0, index_even, t1);
@@ -149,7 +150,8 @@ struct Block {
   static Acc zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static __m256 lookup(__m256 row, __m256i index) {
     // vpermps reads index bits 0-2; bit 3 (the nibble's sign) moved to bit 31 flips the sign.
-    const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(index, 28), _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+    const __m256i sign_bit = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+    const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(index, 28), sign_bit);
     return _mm256_xor_ps(_mm256_permutevar8x32_ps(row, index), _mm256_castsi256_ps(sign));
   }
   static W decode(const float* table, const uint8_t* bytes, uint8_t code) {
