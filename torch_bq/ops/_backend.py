@@ -194,8 +194,6 @@ def neuron_lnc() -> int:
 # --------------------------------------------------------------------------- #
 
 CPU_KERNEL_SOURCE = Path(__file__).parent / "cpu" / "kernels.cpp"
-# Every source of one level's library (kernels.cpp defines the op library, the others add to it).
-CPU_KERNEL_SOURCES = (CPU_KERNEL_SOURCE, CPU_KERNEL_SOURCE.parent / "attention.cpp")
 # Where setup.py puts the libraries it builds at install time (next to the source).
 INSTALLED_DIR = CPU_KERNEL_SOURCE.parent
 
@@ -385,7 +383,7 @@ def _jit_build(level: str) -> Path:
         # module, so Python's development headers are not needed.
         path = cpp_extension.load(
             name=name,
-            sources=[str(path) for path in CPU_KERNEL_SOURCES],
+            sources=[str(CPU_KERNEL_SOURCE.parent / source) for source in isa.SOURCES],
             extra_cflags=isa.compile_flags(level),
             extra_ldflags=list(isa.LINK_FLAGS),
             build_directory=str(build_dir),

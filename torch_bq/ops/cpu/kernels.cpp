@@ -93,6 +93,8 @@
 // The ISA level macros (TORCH_BQ_AVX2, TORCH_BQ_AVX512, TORCH_BQ_AVX512_BF16, TORCH_BQ_OPS):
 // one header, shared with attention.cpp.
 #include "isa.h"
+// What this file lends nvfp4.cpp (the task pool, the prefill GEMM): end of file.
+#include "shared.h"
 
 #if defined(TORCH_BQ_AVX2)
 #include <immintrin.h>
@@ -1979,6 +1981,38 @@ std::string isa() { return TORCH_BQ_STR(TORCH_BQ_ISA); }
 
 }  // namespace
 }  // namespace torch_bq_cpu
+
+// --------------------------------------------------------------------------
+// lent to the other sources of this library (shared.h: nvfp4.cpp)
+// --------------------------------------------------------------------------
+
+namespace torch_bq_cpu {
+namespace {
+// A RowDecoder as prefill_linear's Rows: fp32 panels only. Its bf16 answer
+// (nothing written, "subnormal") keeps every tile on the fp32 microkernel.
+struct DecoderRows {
+  const torch_bq_cpu_shared::RowDecoder& rows;
+  int64_t chunk_align() const { return rows.chunk_align(); }
+  void fp32(int64_t n, int64_t k0, int64_t k1, float* dst) const { rows.fp32(n, k0, k1, dst); }
+  LowBits bf16(int64_t, int64_t, int64_t, uint16_t*, float*) const { return {0, true}; }
+};
+}  // namespace
+}  // namespace torch_bq_cpu
+
+namespace torch_bq_cpu_shared {
+
+const float* e4m3_values() { return torch_bq_cpu::kTables.e4m3; }
+const float* e2m1_values() { return torch_bq_cpu::kTables.fp4; }
+
+void run_tasks(int64_t count, void (*body)(const void* ctx, int64_t i), const void* ctx) {
+  torch_bq_cpu::run_tasks(count, [&](int64_t i) { body(ctx, i); });
+}
+
+void prefill_fp32(const RowDecoder& rows, const at::Tensor& A, int64_t N, int64_t panel_bytes, at::Tensor& out) {
+  torch_bq_cpu::prefill_linear(torch_bq_cpu::DecoderRows{rows}, A, N, panel_bytes, out);
+}
+
+}  // namespace torch_bq_cpu_shared
 
 
 TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {

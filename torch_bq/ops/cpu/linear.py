@@ -1,9 +1,10 @@
-"""CPU kernels of ``torch_bq::fp8_linear``, ``fp4_linear``, ``bf16_linear``, ``fp32w_linear`` and ``qdq_fp8``.
+"""CPU kernels of ``torch_bq::fp8_linear``, ``fp4_linear``, ``nvfp4_linear``, ``bf16_linear``, ``fp32w_linear``
+and ``qdq_fp8``.
 
 Twins of :mod:`torch_bq.reference.linear` and :func:`torch_bq.formats.qdq_fp8`:
 same positional signatures, same results (qdq bit-exact; linear up to fp32
-summation order). The math lives in ``kernels.cpp`` (see its header for the
-decode / prefill layouts); this module prepares the operands and falls back
+summation order). The math lives in ``kernels.cpp`` and, for NVFP4,
+``nvfp4.cpp`` (see their headers for the decode / prefill layouts); this module prepares the operands and falls back
 to the reference when the compiled kernels are unavailable. The kernels of the
 ISA level :mod:`torch_bq.ops._backend` selected run; ``_backend.fast_kernels_disabled()``
 switches these registrations off (torch.library's ``set_kernel_enabled``).
@@ -30,7 +31,10 @@ from ...reference import linear as ref
 from .. import _backend
 from .. import linear as op_defs
 
-__all__ = ["DECODE_MAX_M", "PANEL_BYTES", "decode_max_m", "fp8_linear", "fp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8"]
+__all__ = [
+    "DECODE_MAX_M", "NVFP4_DECODE_MAX_M", "PANEL_BYTES", "decode_max_m",
+    "fp8_linear", "fp4_linear", "nvfp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8",
+]
 
 # The decode path's largest row count, by the decode kernels of the build
 # (the kernels' ``decode_isa()``) and the format: where the prefill path becomes
@@ -45,13 +49,23 @@ DECODE_MAX_M = {
     "avx2": {"fp8": 16, "fp4": 16, "long_k": (16384, 8)},
     "generic": {"fp8": 16, "fp4": 16, "long_k": None},
 }
+# NVFP4 (nvfp4.cpp), by the build's NVFP4 decode kernels (the kernels'
+# ``nvfp4_decode_isa()``: fp32 FMA at every level, 16 lanes from AVX-512 on;
+# the prefill path is the fp32 microkernel everywhere). Measured on 1 thread,
+# 4096x4096 (Zen 5, 2026-12-01, a loaded machine): AVX-512 crosses over between
+# M = 24 and 32, AVX2 between 8 and 16; the generic build's scalar decode loses
+# to its at::mm panels (MKL's own AVX-512 here) from M = 1, so only M = 1 stays.
+NVFP4_DECODE_MAX_M = {"avx512": 24, "avx2": 8, "generic": 1}
 PANEL_BYTES = 4 << 20
 
 _decode_isa: dict = {}
 
 
 def decode_max_m(kernels, fmt: str, k: int) -> int:
-    """Largest ``M`` that ``kernels`` run on the decode path for format ``fmt`` (``"fp8"``/``"fp4"``) and ``K = k``."""
+    """Largest ``M`` that ``kernels`` run on the decode path for format ``fmt`` (``"fp8"``/``"fp4"``/``"nvfp4"``)
+    and ``K = k``."""
+    if fmt == "nvfp4":
+        return NVFP4_DECODE_MAX_M[kernels.nvfp4_decode_isa()]
     isa = _decode_isa.get(id(kernels))
     if isa is None:
         isa = kernels.decode_isa() if hasattr(kernels, "decode_isa") else "avx2" if kernels.vectorized() else "generic"
@@ -134,6 +148,35 @@ def fp4_linear(
     return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
+def nvfp4_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_scale_2: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    act_quant: bool,
+    act_peak: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``[..., K] x nvfp4 [N, ceil(K/2)] -> [..., N]``; see :func:`torch_bq.ops.nvfp4_linear`."""
+    kernels = _backend.cpu_kernels()
+    if kernels is None:
+        return ref.nvfp4_linear(x, weight, weight_scale, weight_scale_2, bias, act_quant, act_peak, out_dtype)
+    ref.check_nvfp4_linear_args(x, weight, weight_scale, weight_scale_2, bias, act_quant, act_peak, out_dtype)
+    if x.shape[-1] == 0:
+        return ref.zero_k_linear(x, weight.shape[0], bias, out_dtype)
+    y = kernels.nvfp4_linear(
+        _activation(kernels, x, act_quant, act_peak),
+        formats.as_fp4_bytes(weight).contiguous(),
+        weight_scale.view(torch.uint8).contiguous(),  # the E4M3FN bytes
+        weight_scale_2.reshape(1),
+        _bias(bias),
+        decode_max_m(kernels, "nvfp4", x.shape[-1]),
+        PANEL_BYTES,
+    )
+    return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
 def _dense_linear(x, weight, bias, out_dtype, weight_dtype, reference):
     kernels = _backend.cpu_kernels()
     if kernels is None:
@@ -172,6 +215,7 @@ def qdq_fp8(x: torch.Tensor, peak: float) -> torch.Tensor:
 
 _backend.register_fast_kernel(op_defs._fp8_linear, "cpu", fp8_linear)
 _backend.register_fast_kernel(op_defs._fp4_linear, "cpu", fp4_linear)
+_backend.register_fast_kernel(op_defs._nvfp4_linear, "cpu", nvfp4_linear)
 _backend.register_fast_kernel(op_defs._qdq_fp8, "cpu", qdq_fp8)
 _backend.register_fast_kernel(op_defs._bf16_linear, "cpu", bf16_linear)
 _backend.register_fast_kernel(op_defs._fp32w_linear, "cpu", fp32w_linear)
