@@ -17,6 +17,16 @@ from ..reference import linear as ref
 __all__ = ["fp8_linear", "fp4_linear", "nvfp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8"]
 
 
+#: op name -> a backend's eager direct call (``torch_bq.ops.cpu.linear.direct_fp8_linear``, ...):
+#: same arguments as the op, returns the result or ``None`` when the op must be called.
+_direct: dict = {}
+
+
+def register_direct(name: str, fn) -> None:
+    """Let the public wrapper of op ``name`` try ``fn`` before the dispatcher (eager calls only)."""
+    _direct[name] = fn
+
+
 def _out_like(x: torch.Tensor, n, out_dtype: torch.dtype) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
 
@@ -111,9 +121,16 @@ def fp8_linear(
     Returns:
         ``[..., N]`` of ``out_dtype``.
     """
-    return torch.ops.torch_bq.fp8_linear(
-        x, weight, scale, bias, list(formats.check_block(block)), act_quant, float(act_peak), out_dtype
-    )
+    block = formats.check_block(block)
+    act_peak = float(act_peak)
+    # Eager CPU calls go straight to the kernel where that is safe (see register_direct):
+    # the custom-op layers cost more than an M = 1 kernel call on small weights.
+    direct = None if torch.compiler.is_compiling() else _direct.get("fp8_linear")
+    if direct is not None:
+        y = direct(x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
+        if y is not None:
+            return y
+    return torch.ops.torch_bq.fp8_linear(x, weight, scale, bias, list(block), act_quant, act_peak, out_dtype)
 
 
 def fp4_linear(
@@ -141,7 +158,13 @@ def fp4_linear(
     Returns:
         ``[..., N]`` of ``out_dtype``.
     """
-    return torch.ops.torch_bq.fp4_linear(x, weight, scale, bias, act_quant, float(act_peak), out_dtype)
+    act_peak = float(act_peak)
+    direct = None if torch.compiler.is_compiling() else _direct.get("fp4_linear")
+    if direct is not None:
+        y = direct(x, weight, scale, bias, act_quant, act_peak, out_dtype)
+        if y is not None:
+            return y
+    return torch.ops.torch_bq.fp4_linear(x, weight, scale, bias, act_quant, act_peak, out_dtype)
 
 
 def nvfp4_linear(

@@ -30,7 +30,7 @@ from ...reference import linear as ref
 from .. import _backend
 from .. import linear as op_defs
 
-__all__ = ["DECODE_MAX_M", "PANEL_BYTES", "decode_max_m", "fp8_linear", "fp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8"]
+__all__ = ["DECODE_MAX_M", "PANEL_BYTES", "decode_max_m", "direct_fp8_linear", "direct_fp4_linear", "fp8_linear", "fp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8"]
 
 # The decode path's largest row count, by the decode kernels of the build
 # (the kernels' ``decode_isa()``) and the format: where the prefill path becomes
@@ -63,6 +63,76 @@ def decode_max_m(kernels, fmt: str, k: int) -> int:
     return limits[fmt]
 
 
+# --------------------------------------------------------------------------- #
+# the one-call entry points (kernels.cpp, "public-op entry points")
+# --------------------------------------------------------------------------- #
+#
+# ``fp8_linear_op`` / ``fp4_linear_op`` do the whole op (bf16(x), qdq, kernel,
+# bias, rounding to out_dtype) in one C++ call and return None for any call they
+# do not take (invalid arguments among them): then the checks below raise their
+# named errors, or the general path runs. The peak's range is checked here, not
+# in C++, so that its bounds live only in torch_bq.formats.
+
+
+def _k_of(x: torch.Tensor) -> int:
+    return x.shape[-1] if x.dim() else 0
+
+
+def _fp8_entry(kernels, x, weight, scale, bias, block, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
+    if not formats.MIN_ACT_PEAK <= act_peak <= formats.FP8_MAX:
+        return None
+    return kernels.fp8_linear_op(x, weight, scale, bias, block, act_quant, act_peak, out_dtype,
+                                 decode_max_m(kernels, "fp8", _k_of(x)), PANEL_BYTES)
+
+
+def _fp4_entry(kernels, x, weight, scale, bias, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
+    if not formats.MIN_ACT_PEAK <= act_peak <= formats.FP8_MAX:
+        return None
+    return kernels.fp4_linear_op(x, weight, scale, bias, act_quant, act_peak, out_dtype,
+                                 decode_max_m(kernels, "fp4", _k_of(x)), PANEL_BYTES)
+
+
+# Tensor types a direct call takes as they are (nn.Parameter overrides nothing of torch's).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain(*tensors) -> bool:
+    return all(t is None or type(t) in _PLAIN for t in tensors)
+
+
+def direct_fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
+    """:func:`fp8_linear` called without the ``torch_bq::`` dispatcher, or ``None`` when it must not be.
+
+    For eager calls of the public op (:func:`torch_bq.ops.fp8_linear`, the modules):
+    the op's custom-op layers (Python autograd and kernel wrappers) cost more than
+    a whole M = 1 kernel call on small weights. Taken only where skipping them
+    changes nothing (:func:`torch_bq.ops._backend.direct_call_allowed`: no compile,
+    trace, mode or transform, the fast kernel switched on) and for plain tensors;
+    the entry op itself refuses anything needing autograd. ``None``: call the op.
+    """
+    if not (_plain(x, weight, scale, bias) and _backend.direct_call_allowed(op_defs._fp8_linear, "cpu")):
+        return None
+    kernels = _backend.cpu_kernels()
+    if kernels is None:
+        return None
+    return _fp8_entry(kernels, x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
+
+
+def direct_fp4_linear(x, weight, scale, bias, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
+    """:func:`fp4_linear` without the ``torch_bq::`` dispatcher, or ``None``; see :func:`direct_fp8_linear`."""
+    if not (_plain(x, weight, scale, bias) and _backend.direct_call_allowed(op_defs._fp4_linear, "cpu")):
+        return None
+    kernels = _backend.cpu_kernels()
+    if kernels is None:
+        return None
+    return _fp4_entry(kernels, x, weight, scale, bias, act_quant, act_peak, out_dtype)
+
+
+# --------------------------------------------------------------------------- #
+# the general path (and the dispatcher's kernels)
+# --------------------------------------------------------------------------- #
+
+
 def _activation(kernels, x: torch.Tensor, act_quant: bool, act_peak: float) -> torch.Tensor:
     """``A`` of docs/contract.md §4 as contiguous float32 ``[M, K]``."""
     x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1]).to(torch.bfloat16).contiguous()
@@ -89,6 +159,9 @@ def fp8_linear(
     kernels = _backend.cpu_kernels()
     if kernels is None:
         return ref.fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
+    y = _fp8_entry(kernels, x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
+    if y is not None:
+        return y
     ref.check_fp8_linear_args(x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
     if weight.shape[1] == 0:
         return ref.zero_k_linear(x, weight.shape[0], bias, out_dtype)
@@ -120,6 +193,9 @@ def fp4_linear(
     kernels = _backend.cpu_kernels()
     if kernels is None:
         return ref.fp4_linear(x, weight, scale, bias, act_quant, act_peak, out_dtype)
+    y = _fp4_entry(kernels, x, weight, scale, bias, act_quant, act_peak, out_dtype)
+    if y is not None:
+        return y
     ref.check_fp4_linear_args(x, weight, scale, bias, act_quant, act_peak, out_dtype)
     if x.shape[-1] == 0:
         return ref.zero_k_linear(x, weight.shape[0], bias, out_dtype)
@@ -171,6 +247,8 @@ def qdq_fp8(x: torch.Tensor, peak: float) -> torch.Tensor:
 
 
 _backend.register_fast_kernel(op_defs._fp8_linear, "cpu", fp8_linear)
+op_defs.register_direct("fp8_linear", direct_fp8_linear)
+op_defs.register_direct("fp4_linear", direct_fp4_linear)
 _backend.register_fast_kernel(op_defs._fp4_linear, "cpu", fp4_linear)
 _backend.register_fast_kernel(op_defs._qdq_fp8, "cpu", qdq_fp8)
 _backend.register_fast_kernel(op_defs._bf16_linear, "cpu", bf16_linear)
