@@ -551,24 +551,21 @@ def direct_call_allowed(op, device_type: str) -> bool:
     """Whether an eager call of ``op`` (a ``CustomOpDef``) may run its ``device_type`` fast kernel directly.
 
     A direct call skips the dispatcher, so it is allowed only where the dispatcher
-    would end up in that kernel anyway and nothing is watching the op: not under
-    ``torch.compile``/export or a TorchScript trace, no TorchDispatchMode (fake
-    tensors, ``make_fx``, FlopCounter) or TorchFunctionMode, no functorch
-    transform, and the kernel not switched off (:func:`fast_kernels_disabled`,
-    ``set_kernel_enabled``). Tensor subclasses and autograd are the caller's to
-    refuse. Reads torch.library's record of switched-off kernels
-    (``CustomOpDef._disabled_kernel``); without it, never allowed.
+    would end up in that kernel anyway and nothing watches the op from above it:
+    no TorchFunctionMode, no TorchScript trace, no functorch transform, and the
+    kernel not switched off (:func:`fast_kernels_disabled`, ``set_kernel_enabled``:
+    read from torch.library's record of switched-off kernels,
+    ``CustomOpDef._disabled_kernel``; without that record, never allowed). Callers
+    check ``torch.compiler.is_compiling()`` first (so that dynamo never traces this),
+    and refuse tensor subclasses, TorchDispatchModes and autograd themselves.
     """
-    if torch.compiler.is_compiling():
-        return False
     disabled = getattr(op, "_disabled_kernel", None)
     return not (
         disabled is None
         or device_type in disabled
-        or torch._C._len_torch_dispatch_stack()
         or torch._C._is_torch_function_mode_enabled()
-        or torch._C._are_functorch_transforms_active()
         or torch._C._get_tracing_state() is not None
+        or torch._C._are_functorch_transforms_active()
     )
 
 

@@ -74,58 +74,60 @@ def decode_max_m(kernels, fmt: str, k: int) -> int:
 # in C++, so that its bounds live only in torch_bq.formats.
 
 
-def _k_of(x: torch.Tensor) -> int:
-    return x.shape[-1] if x.dim() else 0
-
-
 def _fp8_entry(kernels, x, weight, scale, bias, block, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
     if not formats.MIN_ACT_PEAK <= act_peak <= formats.FP8_MAX:
         return None
+    try:
+        k = x.shape[-1]
+    except IndexError:  # 0-d x: the checks name it
+        return None
     return kernels.fp8_linear_op(x, weight, scale, bias, block, act_quant, act_peak, out_dtype,
-                                 decode_max_m(kernels, "fp8", _k_of(x)), PANEL_BYTES)
+                                 decode_max_m(kernels, "fp8", k), PANEL_BYTES)
 
 
 def _fp4_entry(kernels, x, weight, scale, bias, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
     if not formats.MIN_ACT_PEAK <= act_peak <= formats.FP8_MAX:
         return None
+    try:
+        k = x.shape[-1]
+    except IndexError:
+        return None
     return kernels.fp4_linear_op(x, weight, scale, bias, act_quant, act_peak, out_dtype,
-                                 decode_max_m(kernels, "fp4", _k_of(x)), PANEL_BYTES)
+                                 decode_max_m(kernels, "fp4", k), PANEL_BYTES)
 
 
 # Tensor types a direct call takes as they are (nn.Parameter overrides nothing of torch's).
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _plain(*tensors) -> bool:
-    return all(t is None or type(t) in _PLAIN for t in tensors)
-
-
 def direct_fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
     """:func:`fp8_linear` called without the ``torch_bq::`` dispatcher, or ``None`` when it must not be.
 
-    For eager calls of the public op (:func:`torch_bq.ops.fp8_linear`, the modules):
-    the op's custom-op layers (Python autograd and kernel wrappers) cost more than
-    a whole M = 1 kernel call on small weights. Taken only where skipping them
-    changes nothing (:func:`torch_bq.ops._backend.direct_call_allowed`: no compile,
-    trace, mode or transform, the fast kernel switched on) and for plain tensors;
-    the entry op itself refuses anything needing autograd. ``None``: call the op.
+    For eager calls of the public op (:func:`torch_bq.ops.fp8_linear`, the modules),
+    never under ``torch.compile`` (the caller checks ``torch.compiler.is_compiling()``
+    first) and with ``block`` already checked: the custom-op layers (Python autograd
+    and kernel wrappers) cost more than a whole M = 1 kernel call on small weights
+    from a cold cache. Taken only for plain tensors and where skipping the
+    dispatcher changes nothing (:func:`torch_bq.ops._backend.direct_call_allowed`);
+    the entry op itself refuses dispatch modes and anything autograd must record.
+    ``None``: call the op.
     """
-    if not (_plain(x, weight, scale, bias) and _backend.direct_call_allowed(op_defs._fp8_linear, "cpu")):
-        return None
-    kernels = _backend.cpu_kernels()
-    if kernels is None:
-        return None
-    return _fp8_entry(kernels, x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
+    if (type(x) in _PLAIN and type(weight) in _PLAIN and type(scale) in _PLAIN
+            and (bias is None or type(bias) in _PLAIN) and _backend.direct_call_allowed(op_defs._fp8_linear, "cpu")):
+        kernels = _backend.cpu_kernels()
+        if kernels is not None:
+            return _fp8_entry(kernels, x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
+    return None
 
 
 def direct_fp4_linear(x, weight, scale, bias, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
     """:func:`fp4_linear` without the ``torch_bq::`` dispatcher, or ``None``; see :func:`direct_fp8_linear`."""
-    if not (_plain(x, weight, scale, bias) and _backend.direct_call_allowed(op_defs._fp4_linear, "cpu")):
-        return None
-    kernels = _backend.cpu_kernels()
-    if kernels is None:
-        return None
-    return _fp4_entry(kernels, x, weight, scale, bias, act_quant, act_peak, out_dtype)
+    if (type(x) in _PLAIN and type(weight) in _PLAIN and type(scale) in _PLAIN
+            and (bias is None or type(bias) in _PLAIN) and _backend.direct_call_allowed(op_defs._fp4_linear, "cpu")):
+        kernels = _backend.cpu_kernels()
+        if kernels is not None:
+            return _fp4_entry(kernels, x, weight, scale, bias, act_quant, act_peak, out_dtype)
+    return None
 
 
 # --------------------------------------------------------------------------- #
