@@ -138,7 +138,8 @@ def fp8_linear(
     Returns:
         ``[..., N]`` of ``out_dtype``.
     """
-    block = formats.check_block(block)
+    if block is not formats.FP8.default_block:  # the default needs no check
+        block = formats.check_block(block)
     act_peak = float(act_peak)
     # Eager CPU calls go straight to the kernel where that is safe (see register_direct):
     # the custom-op layers cost more than an M = 1 kernel call on small weights.
