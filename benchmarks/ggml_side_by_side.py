@@ -54,6 +54,7 @@ import ctypes
 import json
 import os
 import platform
+import random
 import shutil
 import statistics
 import subprocess
@@ -235,7 +236,12 @@ def load() -> str:
 
 
 class Timer:
-    """Interleaved, cold-cache, median thread-CPU time of several callables."""
+    """Interleaved, cold-cache, median thread-CPU time of several callables.
+
+    The order of the callables is shuffled every round (seeded): the flush empties
+    the data caches but not all of the instruction cache and branch predictors,
+    so a fixed order would hand each callable the leftovers of the same neighbour.
+    """
 
     def __init__(self, reps: int):
         import torch
@@ -247,8 +253,10 @@ class Timer:
         for fn in fns.values():  # warm-up: code paths, allocator, graph set-up
             fn()
         samples = {name: [] for name in fns}
-        for _ in range(self.reps):
-            for name, fn in fns.items():
+        order = list(fns.items())
+        for rep in range(self.reps):
+            random.Random(rep).shuffle(order)
+            for name, fn in order:
                 self.flush.sum()
                 start = time.thread_time()
                 fn()
