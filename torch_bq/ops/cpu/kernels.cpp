@@ -10,8 +10,11 @@
 // the build machine's CPU; _backend picks the library to load from the CPU it
 // runs on. Each level registers its own internal op namespace
 // `torch.ops.torch_bq_cpu_<level>.*`, so several can live in one process; the
-// public `torch_bq::` ops call them from torch_bq/ops/cpu/linear.py, which
-// also prepares the inputs (A as fp32 [M, K], weight bytes, scale codes).
+// public `torch_bq::` ops call them from torch_bq/ops/cpu/linear.py: the
+// one-call entry points fp8_linear_op / fp4_linear_op (section "public-op
+// entry points": the op's own operands in, its result out), or, for calls
+// those refuse, the kernels below on inputs linear.py prepared (A as fp32
+// [M, K], weight bytes, scale codes).
 //
 // Layout and numerics
 // -------------------

@@ -3,8 +3,13 @@
 Twins of :mod:`torch_bq.reference.linear` and :func:`torch_bq.formats.qdq_fp8`:
 same positional signatures, same results (qdq bit-exact; linear up to fp32
 summation order). The math lives in ``kernels.cpp`` (see its header for the
-decode / prefill layouts); this module prepares the operands and falls back
-to the reference when the compiled kernels are unavailable. The kernels of the
+decode / prefill layouts). ``fp8_linear`` / ``fp4_linear`` first try the one-call
+entry points (``fp8_linear_op`` / ``fp4_linear_op``: bf16(x), qdq, kernel, bias and
+output rounding in C++), which refuse anything unusual or invalid; then this
+module checks the arguments (the named errors), prepares the operands for the
+kernels itself, or falls back to the reference when the compiled kernels are
+unavailable. ``direct_fp8_linear`` / ``direct_fp4_linear`` call the entry points
+from eager code without the dispatcher (see there). The kernels of the
 ISA level :mod:`torch_bq.ops._backend` selected run; ``_backend.fast_kernels_disabled()``
 switches these registrations off (torch.library's ``set_kernel_enabled``).
 
