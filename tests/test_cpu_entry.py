@@ -9,6 +9,7 @@ without the torch_bq:: dispatcher only where nothing could tell the difference.
 """
 
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -249,3 +250,27 @@ def test_the_direct_path_follows_the_isa_cap():
         finally:
             _backend.set_cpu_isa_cap(previous)
         assert f"torch_bq_cpu_{level}::fp8_linear_op" in names, names
+
+
+def test_traces_and_transforms_see_the_torch_bq_op():
+    # Each of these records or transforms ops from above the dispatcher: a direct call would put
+    # an ISA-specific kernel op (or nothing) where torch_bq::fp8_linear belongs.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(0)
+    weight, scale = formats.quantize_fp8(torch.randn(48, 64))
+    module = bqnn.FP8Linear.from_quantized(weight, scale)
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    expected = module(x)
+    graph = make_fx(module)(x).graph
+    assert torch.ops.torch_bq.fp8_linear.default in [node.target for node in graph.nodes]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript's deprecation notice
+        traced = torch.jit.trace(module, x, check_trace=False)
+    assert "torch_bq::fp8_linear" in [node.kind() for node in traced.graph.nodes()]
+    assert torch.equal(traced(x), expected)
+    for transformed, arg in ((torch.func.vmap(module), x[None]), (torch.func.functionalize(module), x)):
+        names = dispatched(lambda: transformed(arg))
+        assert "torch_bq::fp8_linear" in names, names
+    with torch.device("cpu"):  # a TorchFunctionMode
+        assert "torch_bq::fp8_linear" in dispatched(lambda: module(x))
