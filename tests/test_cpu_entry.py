@@ -274,3 +274,18 @@ def test_traces_and_transforms_see_the_torch_bq_op():
         assert "torch_bq::fp8_linear" in names, names
     with torch.device("cpu"):  # a TorchFunctionMode
         assert "torch_bq::fp8_linear" in dispatched(lambda: module(x))
+
+
+def test_odd_argument_types_get_the_ops_own_errors():
+    # The direct path passes only exact types on: anything else reaches the op's schema, whose
+    # error names the public op, not an internal entry point.
+    torch.manual_seed(0)
+    weight, scale = formats.quantize_fp8(torch.randn(32, 32))
+    x = torch.randn(1, 32)
+    for kwargs in ({"out_dtype": "bfloat16"}, {"act_quant": "yes"}):
+        with pytest.raises((TypeError, RuntimeError)) as direct:
+            ops.fp8_linear(x, weight, scale, **kwargs)
+        with ops.fast_kernels_disabled("cpu"), pytest.raises(type(direct.value)) as through_op:
+            ops.fp8_linear(x, weight, scale, **kwargs)
+        assert "fp8_linear_op" not in str(direct.value)
+        assert str(direct.value) == str(through_op.value)

@@ -105,6 +105,15 @@ def _fp4_entry(kernels, x, weight, scale, bias, act_quant, act_peak, out_dtype) 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def _plain_args(x, weight, scale, bias, act_quant, out_dtype) -> bool:
+    """Plain tensors and exact Python types: anything else goes to the op, whose schema and checks
+    report it in the op's own words (a numpy bool or a dtype's name would otherwise reach the
+    entry op's argument parser)."""
+    return (type(x) in _PLAIN and type(weight) in _PLAIN and type(scale) in _PLAIN
+            and (bias is None or type(bias) in _PLAIN) and type(act_quant) is bool
+            and type(out_dtype) is torch.dtype)
+
+
 def direct_fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
     """:func:`fp8_linear` called without the ``torch_bq::`` dispatcher, or ``None`` when it must not be.
 
@@ -117,8 +126,8 @@ def direct_fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dt
     the entry op itself refuses dispatch modes and anything autograd must record.
     ``None``: call the op.
     """
-    if (type(x) in _PLAIN and type(weight) in _PLAIN and type(scale) in _PLAIN
-            and (bias is None or type(bias) in _PLAIN) and _backend.direct_call_allowed(op_defs._fp8_linear, "cpu")):
+    if _plain_args(x, weight, scale, bias, act_quant, out_dtype) and _backend.direct_call_allowed(
+            op_defs._fp8_linear, "cpu"):
         kernels = _backend.cpu_kernels()
         if kernels is not None:
             return _fp8_entry(kernels, x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
@@ -127,8 +136,8 @@ def direct_fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dt
 
 def direct_fp4_linear(x, weight, scale, bias, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
     """:func:`fp4_linear` without the ``torch_bq::`` dispatcher, or ``None``; see :func:`direct_fp8_linear`."""
-    if (type(x) in _PLAIN and type(weight) in _PLAIN and type(scale) in _PLAIN
-            and (bias is None or type(bias) in _PLAIN) and _backend.direct_call_allowed(op_defs._fp4_linear, "cpu")):
+    if _plain_args(x, weight, scale, bias, act_quant, out_dtype) and _backend.direct_call_allowed(
+            op_defs._fp4_linear, "cpu"):
         kernels = _backend.cpu_kernels()
         if kernels is not None:
             return _fp4_entry(kernels, x, weight, scale, bias, act_quant, act_peak, out_dtype)
