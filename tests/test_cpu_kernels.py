@@ -466,6 +466,72 @@ def test_decode_kernels_and_boundary_per_level(level):
         assert 1 <= fast.decode_max_m(kernels, fmt, 1 << 20) <= fast.DECODE_MAX_M[isa][fmt]
 
 
+# Row counts that give each tile shape of the decode kernels (NT = 4 x MT = 1-3 up to M = 3,
+# then NT = 1 x MT = 4-8 in near-equal row tiles) and a few splits into several tiles.
+ONE_HOT_ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 13, 16]
+
+
+def one_hot_products(linear, k, dtype=torch.float32):
+    """``linear(x)`` for x = the rows of the K x K identity, M rows per call for each M of
+    ONE_HOT_ROWS: row m of x selects weight column m alone, so out[m, n] = 1 * w[n, m]
+    exactly (one product; every other product is a zero) whatever the summation order.
+    Yields (M, out [K, N]) with the calls' rows stacked."""
+    eye = torch.eye(k, dtype=dtype)
+    for m in ONE_HOT_ROWS:
+        yield m, torch.cat([linear(eye[k0 : k0 + m]) for k0 in range(0, k, m)])
+
+
+@impls
+@pytest.mark.parametrize("block", [(1, 32), (32, 32)])
+def test_fp8_every_byte_at_every_block_position(impl, block, path):
+    """Every finite E4M3 byte at each of the 32 positions of a block (the AVX2 decoder permutes
+    the elements of a block; fp8_blocks32 / the F16C loop decode them), under scale codes the
+    whole-block path takes (0, 1, 120, 127, 134) and ones it must leave to the general loop
+    (135, 200, 246), isolated by one-hot activations: each output is one weight element,
+    compared exactly with the dequantized weight (K = 288: nine blocks, no remainder)."""
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    n, k = len(finite), 288
+    nn_, kk = torch.meshgrid(torch.arange(n), torch.arange(k), indexing="ij")
+    data = finite[(nn_ + 7 * kk) % n]  # column k holds every byte once, at a different row
+    codes = torch.tensor([0, 1, 120, 127, 134, 135, 200, 246, 127], dtype=torch.uint8)
+    scale = codes.repeat(-(-n // block[0]), 1)
+    if block == (32, 32):
+        scale = scale.view(torch.float8_e8m0fnu)
+    w = formats.dequantize_fp8(data, scale, block, torch.float32)
+    assert torch.isfinite(w).all()
+
+    def linear(x):
+        return FP8[impl](x, data, scale, None, list(block), False, 224.0, torch.float32)
+
+    for m, y in one_hot_products(linear, k):
+        torch.testing.assert_close(y, w.t(), rtol=0, atol=0, msg=lambda e: f"M={m} {block} {path}: {e}")
+
+
+@impls
+@pytest.mark.parametrize("k", [288, 97])
+def test_fp4_every_nibble_at_every_group_position(impl, k, path):
+    """Every e2m1 nibble (low and high) at each of the 64 positions of a two-block group (the
+    AVX2 decoder's output order is a permutation of the group) and in the F16C remainder (a
+    trailing single block at K = 288; a partial block and the odd padding nibble at K = 97),
+    under scale codes 0, 1, 2, 127, 130, 250, 252 (6 * 2**125 is still finite), isolated by
+    one-hot activations and compared exactly with the dequantized weight."""
+    n = 16
+    nn_, kk = torch.meshgrid(torch.arange(n), torch.arange(k), indexing="ij")
+    nibbles = ((nn_ + kk) % 16).to(torch.uint8)  # column k holds every nibble once
+    padded = torch.nn.functional.pad(nibbles, (0, k % 2))
+    packed = (padded[:, 0::2] | (padded[:, 1::2] << 4)).contiguous()
+    codes = torch.tensor([0, 1, 2, 127, 130, 250, 252, 127, 1, 0], dtype=torch.uint8)[: -(-k // 32)]
+    scale = codes.repeat(n, 1)
+    w = formats.dequantize_fp4(packed, scale, k, torch.float32)
+    assert torch.isfinite(w).all()
+
+    def linear(x):
+        return FP4[impl](x, packed, scale, None, False, 224.0, torch.float32)
+
+    for m, y in one_hot_products(linear, k):
+        torch.testing.assert_close(y, w.t(), rtol=0, atol=0, msg=lambda e: f"M={m} K={k} {path}: {e}")
+
+
 @impls
 @pytest.mark.parametrize("m", [1, 3, 4, 8, 33])
 @pytest.mark.parametrize("exponent", [-100, -109, -111, -117, -119, -125, -127, -131])

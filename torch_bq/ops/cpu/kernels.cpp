@@ -33,16 +33,17 @@
 //   the dot product; the decoded weight never reaches memory:
 //     for n-tile (NT rows): for m-tile (MT rows): for k-block b: s = scale[n/bn, b]
 //       for 16-wide chunk: w = decode16(W[n, k:k+16]) * s; acc[m][n] += A[m, k:k+16] * w
-//   Tiles: NT = 4 weight rows x MT = 1-2 activation rows when M <= 3 (decode-
-//   bound: one A load serves four rows), else NT = 1 x MT = 8 / 4 (FMA-bound:
-//   one decode serves eight rows). Single-row tiles with e8m0 scales factor
-//   the (power-of-two) scale out of each block's partial sum, which is exact;
-//   for fp8 with 32-wide blocks they instead run fp8_row_blocks32, one whole
-//   block per iteration with the integer decoder below (scales up to 2**7;
-//   the rest of the row falls back to the general loop at a larger one), and
-//   fp4 runs fp4_row_blocks32 against a copy of A whose 32-blocks are
-//   permuted (even elements, then odd) to match the nibble order, so the
-//   decoder needs no interleave.
+//   Tiles: NT = 4 weight rows x MT = M activation rows when M <= 3 (decode-
+//   bound: one A load serves four rows), else NT = 1 x MT <= 8 in row tiles
+//   of near-equal height (FMA-bound: one decode serves up to eight rows).
+//   Single-row tiles with e8m0 scales factor the (power-of-two) scale out of
+//   each block's partial sum, which is exact.
+//   With 32-wide e8m0 blocks, tiles of every shape run the F16C-free
+//   whole-block loops against a copy of A permuted to the order their
+//   decoders produce (so no decoder interleaves): fp8_blocks32, one block
+//   per iteration (scales up to 2**7; the rest of the row falls back to the
+//   general loop at a larger one), and fp4_groups64, two blocks per
+//   iteration. The general loop takes block remainders and other scales.
 //   Each output element is produced by one task in a fixed order, so the
 //   result does not depend on the thread count.
 //   With AVX-512 BF16 (TORCH_BQ_AVX512_BF16), 32-wide e8m0 blocks take the
@@ -58,13 +59,18 @@
 //        subnormals, which vcvtph2ps converts exactly). The 2**8 goes into the
 //        block scale when that stays finite; blocks whose scale * 2**8
 //        overflows take the scalar path.
-//        Single-row fp8 with 32-wide e8m0 blocks uses fewer instructions:
-//        sign-extend to int32, shift left 20, keep sign and bits 20..26 -> an
-//        fp32 whose value is e4m3(b) * 2**-120 (subnormals exact), times the
-//        block scale * 2**120. Needs MXCSR.DAZ clear (checked per tile:
-//        torch.set_flush_denormal(True) sets it), else the F16C decoder runs.
+//        Whole 32-wide e8m0 blocks use integer ops only: the magnitude bits
+//        shifted 4 to the right within a 16-bit word, the sign kept in bit
+//        15, are the bf16 encoding of e4m3(b) * 2**-120 (subnormals exact);
+//        a bf16 word is an fp32 after one shift or mask; times the block
+//        scale * 2**120 (Fp8Format::decode32_bf16). Needs MXCSR.DAZ clear
+//        (checked per tile: torch.set_flush_denormal(True) sets it), else
+//        the F16C decoder runs.
 //   fp4: nibble -> high byte of the fp16 encoding of its e2m1 value via
-//        vpshufb (the low byte is always 0), then vcvtph2ps.
+//        vpshufb (the low byte is always 0), then vcvtph2ps (block
+//        remainders only). Whole 64-groups avoid F16C (the M = 1 limit):
+//        two vpshufb give both bytes of the bf16 encoding, and a bf16 word
+//        is an fp32 after one shift or mask (Fp4Format::decode64_bf16).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -163,15 +169,25 @@ struct Fp8Format {
     lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
     hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
   }
-  // 8 elements times `scale` (a block scale times 2**120), without F16C:
-  // sign-extend to int32, shift left 20, keep the sign and bits 20..26: an
-  // fp32 whose value is e4m3(b) * 2**-120 (E4M3 subnormals become fp32
-  // subnormals, exact). One multiply by a power of two then gives the weight
-  // element e4m3(b) * s exactly, as the reference forms it.
-  static __m256 decode8_scaled(const uint8_t* p, __m256 scale) {
-    const __m256i d = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(d, 20), _mm256_set1_epi32(static_cast<int>(0x87F00000u)));
-    return _mm256_mul_ps(_mm256_castsi256_ps(bits), scale);
+  // 32 elements (one 32-wide block) without F16C, as value * 2**-120: an
+  // E4M3 byte's magnitude bits shifted 4 to the right within a 16-bit word
+  // (the high byte by an arithmetic shift that keeps its sign in bit 15, the
+  // low byte moved up first) are the bf16 encoding of e4m3(b) * 2**-120
+  // (both biases differ by 120; E4M3 subnormals become bf16 subnormals,
+  // exact), and a bf16 word becomes an fp32 with one shift or mask. Integer
+  // ops only, 9 per 32 elements; v[i] lane d holds element 4 d + i
+  // (permute_activation_blocks32). One multiply by the block scale * 2**120
+  // then forms the weight element e4m3(b) * s exactly, as the reference does.
+  static void decode32_bf16(const uint8_t* p, __m256 (&v)[4]) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i keep = _mm256_set1_epi16(static_cast<short>(0x87F0));
+    const __m256i high_words = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const __m256i odd = _mm256_and_si256(_mm256_srai_epi16(b, 4), keep);
+    const __m256i even = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(b, 8), 4), keep);
+    v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(even, 16));
+    v[1] = _mm256_castsi256_ps(_mm256_slli_epi32(odd, 16));
+    v[2] = _mm256_castsi256_ps(_mm256_and_si256(even, high_words));
+    v[3] = _mm256_castsi256_ps(_mm256_and_si256(odd, high_words));
   }
 #endif
 };
@@ -198,22 +214,43 @@ struct Fp4Format {
     lo = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, hb));
     hi = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, hb));
   }
-  // One 32-element block (16 bytes) without restoring element order: even
-  // elements 0..14 and 16..30 (low nibbles), then odd ones 1..15 and 17..31
-  // (high nibbles); the caller's activation is permuted to match
-  // (split_activation_blocks32).
-  static void decode32_split(const uint8_t* p, __m256& even0, __m256& even1, __m256& odd0, __m256& odd1) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lut = _mm_setr_epi8(0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46, char(0x80), char(0xB8),
-                                      char(0xBC), char(0xBE), char(0xC0), char(0xC2), char(0xC4), char(0xC6));
-    const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, mask));
-    const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), mask));
-    const __m128i zero = _mm_setzero_si128();
-    even0 = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, lo));
-    even1 = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, lo));
-    odd0 = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, hi));
-    odd1 = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, hi));
+  // Two 32-element blocks (32 bytes, one per 128-bit lane) to 64 fp32 values
+  // without F16C: two vpshufb lookups per nibble give the high and low byte
+  // of the bf16 (= upper half of the fp32) encoding of each e2m1 value, one
+  // byte unpack pairs them into bf16 words, and each word becomes an fp32
+  // with one integer op (shift left 16 for even words, mask for odd ones).
+  // 1 load + 3 + 4 + 4 + 8 vector ops per 64 elements, no conversions; the
+  // values come out in a fixed order that the caller's activation is
+  // permuted to (group64_element).
+  static void decode64_bf16(const uint8_t* p, __m256 (&w)[8]) {
+    // bytes 2 and 3 of the fp32 encoding of e2m1 codes 0..15 (sign in bit 3; -0 for code 8)
+    const __m256i lb = _mm256_setr_epi8(0, 0, char(0x80), char(0xC0), 0, 0x40, char(0x80), char(0xC0), 0, 0,
+                                        char(0x80), char(0xC0), 0, 0x40, char(0x80), char(0xC0), 0, 0, char(0x80),
+                                        char(0xC0), 0, 0x40, char(0x80), char(0xC0), 0, 0, char(0x80), char(0xC0), 0,
+                                        0x40, char(0x80), char(0xC0));
+    const __m256i hb = _mm256_setr_epi8(0, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, char(0x80), char(0xBF),
+                                        char(0xBF), char(0xBF), char(0xC0), char(0xC0), char(0xC0), char(0xC0), 0,
+                                        0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, char(0x80), char(0xBF), char(0xBF),
+                                        char(0xBF), char(0xC0), char(0xC0), char(0xC0), char(0xC0));
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i high_words = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+    const __m256i lo_l = _mm256_shuffle_epi8(lb, lo), lo_h = _mm256_shuffle_epi8(hb, lo);
+    const __m256i hi_l = _mm256_shuffle_epi8(lb, hi), hi_h = _mm256_shuffle_epi8(hb, hi);
+    const __m256i words[4] = {_mm256_unpacklo_epi8(lo_l, lo_h), _mm256_unpackhi_epi8(lo_l, lo_h),
+                              _mm256_unpacklo_epi8(hi_l, hi_h), _mm256_unpackhi_epi8(hi_l, hi_h)};
+    for (int i = 0; i < 4; ++i) {
+      w[2 * i] = _mm256_castsi256_ps(_mm256_slli_epi32(words[i], 16));
+      w[2 * i + 1] = _mm256_castsi256_ps(_mm256_and_si256(words[i], high_words));
+    }
+  }
+  // Which element of its block register w[i], lane l of decode64_bf16 holds
+  // (lanes 0-3: the first block, 4-7: the second): words[i / 2] holds, per
+  // 128-bit lane, the low (i < 4) or high nibbles of bytes 0-7 or 8-15 in
+  // order; even words are w[2j], odd ones w[2j + 1].
+  static constexpr int group64_element(int i, int l) {
+    return (l / 4) * 32 + (i / 4) + 16 * ((i / 2) % 2) + 2 * (i % 2) + 4 * (l % 4);
   }
 #endif
 };
@@ -252,66 +289,93 @@ inline float folded_scale(const float* s, int64_t i, bool& ok) {
 #endif
 
 #if defined(TORCH_BQ_AVX2)
-// fp8 with 32-wide e8m0 blocks (32x32, 1x32), one activation row, NT weight
-// rows: the decode-bound case, so one whole block per iteration with the
-// fewest vector instructions per element (4 per 8: load+sign-extend, shift,
-// and, multiply, plus the FMA). The block's 32 A values are loaded once for
-// all NT rows; two accumulators per row halve the FMA dependency chain.
-// Covers blocks [0, K/32) and returns the first block it did not do: the
-// partial last block, or a block whose scale * 2**120 would overflow
+// fp8 with 32-wide e8m0 blocks (32x32, 1x32), MT activation rows x NT
+// weight rows, one whole block per iteration with the F16C-free decoder
+// (Fp8Format::decode32_bf16) against the activation permuted to its order
+// (permute_activation_blocks32): per 32 elements 9 integer ops and 4
+// multiplies per weight row, then 4 multiply-adds and 2 adds per activation
+// row. Covers blocks [0, K/32) and returns the first block it did not
+// do: the partial last block, or a block whose scale * 2**120 would overflow
 // (code > 134, i.e. a scale above 2**7), which the caller's general loop
 // then takes over. Needs MXCSR.DAZ clear (the decoded subnormals are inputs).
-template <int NT>
-int64_t fp8_row_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* a, int64_t K,
-                         __m256* acc, const uint8_t* ahead) {
-  __m256 acc_odd[NT];
+template <int MT, int NT>
+int64_t fp8_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* const* a_perm,
+                     int64_t K, __m256 (&acc)[MT][NT], const uint8_t* ahead) {
+  __m256 acc_odd[NT];  // the second chain of each single-row output
   for (int j = 0; j < NT; ++j) acc_odd[j] = _mm256_setzero_ps();
   int64_t b = 0;
   for (; b < K / 32; ++b) {
     uint32_t max_code = 0;
     for (int j = 0; j < NT; ++j) max_code = std::max<uint32_t>(max_code, scale_rows[j][b]);
     if (max_code > 134) break;
-    const int64_t k = b * 32;
-    for (int c = 0; c < NT / 2; ++c)  // the next rows' share for this block (see dot_tile)
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + (b * (NT / 2) + c) * 64), _MM_HINT_T0);
-    const __m256 a0 = _mm256_loadu_ps(a + k), a1 = _mm256_loadu_ps(a + k + 8);
-    const __m256 a2 = _mm256_loadu_ps(a + k + 16), a3 = _mm256_loadu_ps(a + k + 24);
+    for (int c = 0; c < (NT + 1) / 2; ++c)  // the next rows' share for this block (see dot_tile)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + (b * ((NT + 1) / 2) + c) * 64), _MM_HINT_T0);
     for (int j = 0; j < NT; ++j) {
       // 2**(code - 127) * 2**120, exact for codes 0..134 (code 0 included).
       const __m256 s = _mm256_set1_ps(f32_from_bits((uint32_t(scale_rows[j][b]) + 120) << 23));
-      const uint8_t* wk = rows[j] + k;
-      acc[j] = _mm256_fmadd_ps(a0, Fp8Format::decode8_scaled(wk, s), acc[j]);
-      acc_odd[j] = _mm256_fmadd_ps(a1, Fp8Format::decode8_scaled(wk + 8, s), acc_odd[j]);
-      acc[j] = _mm256_fmadd_ps(a2, Fp8Format::decode8_scaled(wk + 16, s), acc[j]);
-      acc_odd[j] = _mm256_fmadd_ps(a3, Fp8Format::decode8_scaled(wk + 24, s), acc_odd[j]);
+      __m256 v[4];
+      Fp8Format::decode32_bf16(rows[j] + b * 32, v);
+      for (int e = 0; e < 4; ++e) v[e] = _mm256_mul_ps(v[e], s);
+      if constexpr (MT == 1) {  // two chains per output (eight at NT = 4), no adds
+        const float* a = a_perm[0] + b * 32;
+        acc[0][j] = _mm256_fmadd_ps(_mm256_loadu_ps(a), v[0], acc[0][j]);
+        acc_odd[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8), v[1], acc_odd[j]);
+        acc[0][j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + 16), v[2], acc[0][j]);
+        acc_odd[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + 24), v[3], acc_odd[j]);
+        continue;
+      }
+      for (int i = 0; i < MT; ++i) {
+        // The block's partial sum in two short chains of its own, then one
+        // add into the accumulator (on the adder, not the FMA units): the
+        // only loop-carried dependency is that add, whatever the tile height.
+        const float* a = a_perm[i] + b * 32;
+        __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(a), v[0]);
+        __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(a + 8), v[1]);
+        p0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 16), v[2], p0);
+        p1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 24), v[3], p1);
+        acc[i][j] = _mm256_add_ps(acc[i][j], _mm256_add_ps(p0, p1));
+      }
     }
   }
-  for (int j = 0; j < NT; ++j) acc[j] = _mm256_add_ps(acc[j], acc_odd[j]);
+  if constexpr (MT == 1)
+    for (int j = 0; j < NT; ++j) acc[0][j] = _mm256_add_ps(acc[0][j], acc_odd[j]);
   return b;
 }
 
-// MXFP4, one activation row, NT weight rows: one whole block per iteration
-// against the block-permuted activation (split_activation_blocks32), so the
-// nibbles need no interleaving back into element order; the e8m0 scale is
-// factored out of the block's partial sum (exact). Covers blocks [0, K/32).
-template <int NT>
-int64_t fp4_row_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* a_split,
-                         int64_t K, __m256* acc, const uint8_t* ahead) {
-  for (int64_t b = 0; b < K / 32; ++b) {
-    if (b % 4 == 0)  // the next rows' share for these four blocks (see dot_tile)
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + b * NT * 16), _MM_HINT_T0);
-    const float* a = a_split + b * 32;
-    const __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8);
-    const __m256 a2 = _mm256_loadu_ps(a + 16), a3 = _mm256_loadu_ps(a + 24);
+// MXFP4, MT activation rows x NT weight rows: two whole blocks (64
+// elements) per iteration with the bf16-pattern decoder, against the
+// activation permuted to its output order (permute_activation_groups64).
+// Each weight group is decoded once for all MT rows; each block's e8m0 scale
+// is factored out of its partial sum (exact for a power of two), both
+// blocks' scales in one register (lanes 0-3 and 4-7): MT multiply-adds per
+// group where scaling the decoded weights would take 8 multiplies. Covers blocks
+// [0, 2 * (K / 64)); the caller's general loop takes the rest.
+template <int MT, int NT>
+int64_t fp4_groups64(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* const* a_perm,
+                     int64_t K, __m256 (&acc)[MT][NT], const uint8_t* ahead) {
+  const int64_t groups = K / 64;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int c = 0; c < (NT + 1) / 2; ++c)  // the next rows' share for this group (see dot_tile)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + (g * ((NT + 1) / 2) + c) * 64), _MM_HINT_T0);
     for (int j = 0; j < NT; ++j) {
-      __m256 even0, even1, odd0, odd1;
-      Fp4Format::decode32_split(rows[j] + b * 16, even0, even1, odd0, odd1);
-      const __m256 p = _mm256_add_ps(_mm256_fmadd_ps(a1, even1, _mm256_mul_ps(a0, even0)),
-                                     _mm256_fmadd_ps(a3, odd1, _mm256_mul_ps(a2, odd0)));
-      acc[j] = _mm256_fmadd_ps(p, _mm256_set1_ps(kTables.e8m0[scale_rows[j][b]]), acc[j]);
+      __m256 w[8];
+      Fp4Format::decode64_bf16(rows[j] + g * 32, w);
+      const uint8_t* s = scale_rows[j] + 2 * g;
+      const __m256 sv = _mm256_set_m128(_mm_set1_ps(kTables.e8m0[s[1]]), _mm_set1_ps(kTables.e8m0[s[0]]));
+      for (int i = 0; i < MT; ++i) {
+        const float* a = a_perm[i] + g * 64;
+        // two chains: the FMA latency, not its throughput, would bound one
+        __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(a), w[0]);
+        __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(a + 8), w[1]);
+        for (int e = 2; e < 8; e += 2) {
+          p0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8 * e), w[e], p0);
+          p1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8 * e + 8), w[e + 1], p1);
+        }
+        acc[i][j] = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), sv, acc[i][j]);
+      }
     }
   }
-  return K / 32;
+  return 2 * groups;
 }
 
 // Subnormal inputs read as zero (torch.set_flush_denormal(True) sets this).
@@ -355,20 +419,27 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
   constexpr bool kFactorScale = MT == 1 && std::is_same_v<S, uint8_t>;
 #if defined(TORCH_BQ_AVX2)
   {
-    __m256 acc[MT][NT];
+    // acc_odd: a second chain per output for the multi-row loop below (a
+    // 4 x 1 tile has only four, and the FMA latency bounds them).
+    __m256 acc[MT][NT], acc_odd[MT][NT];
     for (int i = 0; i < MT; ++i)
-      for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_setzero_ps();
+      for (int j = 0; j < NT; ++j) acc[i][j] = acc_odd[i][j] = _mm256_setzero_ps();
     int64_t b = 0;
     // The weight streams from memory in NT short rows, too short for the
     // hardware prefetchers to ramp up, so the single-row loops also prefetch
     // NT rows two tiles ahead (contiguous with these; one tile ahead measured
     // 10-25% slower at M = 1 on a Zen 5).
     const uint8_t* ahead = w.data + (n0 + 2 * NT) * w.row_stride;
-    if constexpr (kFactorScale && std::is_same_v<Fmt, Fp8Format>) {
-      if (w.bk == 32 && !denormals_are_zero()) b = fp8_row_blocks32<NT>(rows, srows, arows[0], K, acc[0], ahead);
-    }
-    if constexpr (kFactorScale && std::is_same_v<Fmt, Fp4Format>) {
-      if (a_split != nullptr) b = fp4_row_blocks32<NT>(rows, srows, a_split + m0 * K, K, acc[0], ahead);
+    if constexpr (std::is_same_v<S, uint8_t>) {
+      if (a_split != nullptr) {  // the F16C-free whole-block loops, against the permuted A
+        const float* a_perm[MT];
+        for (int i = 0; i < MT; ++i) a_perm[i] = a_split + (m0 + i) * K;
+        if constexpr (std::is_same_v<Fmt, Fp4Format>) b = fp4_groups64<MT, NT>(rows, srows, a_perm, K, acc, ahead);
+        if constexpr (std::is_same_v<Fmt, Fp8Format>) {
+          if (!denormals_are_zero())  // this thread's MXCSR (a worker's may differ from the caller's)
+            b = fp8_blocks32<MT, NT>(rows, srows, a_perm, K, acc, ahead);
+        }
+      }
     }
     for (; b < nblocks; ++b) {
       const int64_t k0 = b * w.bk, k1 = std::min(K, k0 + w.bk);
@@ -405,14 +476,14 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
             w1 = _mm256_mul_ps(w1, sv[j]);
             for (int i = 0; i < MT; ++i) {
               acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(arows[i] + k), w0, acc[i][j]);
-              acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(arows[i] + k + 8), w1, acc[i][j]);
+              acc_odd[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(arows[i] + k + 8), w1, acc_odd[i][j]);
             }
           }
         }
       }
     }
     for (int i = 0; i < MT; ++i)
-      for (int j = 0; j < NT; ++j) total[i][j] = hsum(acc[i][j]);
+      for (int j = 0; j < NT; ++j) total[i][j] = hsum(_mm256_add_ps(acc[i][j], acc_odd[i][j]));
   }
   const bool vector_pass = true;
 #else
@@ -445,19 +516,32 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
     for (int j = 0; j < NT; ++j) out[(m0 + i) * N + n0 + j] = total[i][j];
 }
 
-// All M rows of A against W[n:n+NT, :]: with NT = 1, row tiles of 8 and 4
-// (A is re-read from L1/L2, each decoded chunk is shared by 8 or 4 rows);
-// with NT = 4 (M <= 3), tiles of 2 and 1 rows.
+// All M rows of A against W[n:n+NT, :] in row tiles of near-equal height,
+// at most 8 (NT = 1) or 3 (NT = 4, M <= 3): every tile decodes the weight
+// rows once more, so M = 8 q + r costs q + 1 decodes, never q + 2 or 3 (a
+// tile of 1 or 2 rows after the 8s and 4s was the M = 5 and M = 9 steps).
 template <class Fmt, class S, int NT>
 void rows_tile(const WeightView& w, const float* A, const float* a_split, int64_t M, int64_t n, float* out,
                int64_t N) {
-  int64_t m = 0;
-  if constexpr (NT == 1) {
-    for (; m + 8 <= M; m += 8) dot_tile<Fmt, S, 8, 1>(w, A, a_split, m, n, out, N);
-    for (; m + 4 <= M; m += 4) dot_tile<Fmt, S, 4, 1>(w, A, a_split, m, n, out, N);
+  constexpr int kMaxMT = NT == 4 ? 3 : 8;
+  const int64_t tiles = (M + kMaxMT - 1) / kMaxMT;
+  int64_t m0 = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t mt = (M - m0) / (tiles - t);
+    switch (mt) {
+#define TORCH_BQ_ROWS(R)                                       \
+  case R:                                                      \
+    if constexpr (R <= kMaxMT) {                               \
+      dot_tile<Fmt, S, R, NT>(w, A, a_split, m0, n, out, N);   \
+    }                                                          \
+    break;
+      TORCH_BQ_ROWS(1) TORCH_BQ_ROWS(2) TORCH_BQ_ROWS(3) TORCH_BQ_ROWS(4)
+      TORCH_BQ_ROWS(5) TORCH_BQ_ROWS(6) TORCH_BQ_ROWS(7) TORCH_BQ_ROWS(8)
+#undef TORCH_BQ_ROWS
+      default: break;
+    }
+    m0 += mt;
   }
-  for (; m + 2 <= M; m += 2) dot_tile<Fmt, S, 2, NT>(w, A, a_split, m, n, out, N);
-  if (m < M) dot_tile<Fmt, S, 1, NT>(w, A, a_split, m, n, out, N);
 }
 
 template <class Fmt, class S>
@@ -470,18 +554,29 @@ void decode_rows(const WeightView& w, const float* A, const float* a_split, int6
   for (; n < n_end; ++n) rows_tile<Fmt, S, 1>(w, A, a_split, M, n, out, N);
 }
 
-// A [M, K] with every full 32-block reordered as fp4_row_blocks32 reads it:
-// elements 0, 2, .., 30 of the block, then 1, 3, .., 31.
-std::vector<float> split_activation_blocks32(const float* A, int64_t M, int64_t K) {
-  std::vector<float> split(M * K);
+#if defined(TORCH_BQ_AVX2)
+// A [M, K] with every full 64-element group reordered as fp4_groups64
+// reads it (Fp4Format::group64_element); the rest of each row as it is.
+std::vector<float> permute_activation_groups64(const float* A, int64_t M, int64_t K) {
+  std::vector<float> perm(A, A + M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k0 = 0; k0 + 64 <= K; k0 += 64)
+      for (int i = 0; i < 8; ++i)
+        for (int l = 0; l < 8; ++l) perm[m * K + k0 + 8 * i + l] = A[m * K + k0 + Fp4Format::group64_element(i, l)];
+  return perm;
+}
+
+// A [M, K] with every full 32-block reordered as fp8_blocks32 reads it
+// (element 4 d + i at 8 i + d); the rest of each row as it is.
+std::vector<float> permute_activation_blocks32(const float* A, int64_t M, int64_t K) {
+  std::vector<float> perm(A, A + M * K);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k0 = 0; k0 + 32 <= K; k0 += 32)
-      for (int i = 0; i < 16; ++i) {
-        split[m * K + k0 + i] = A[m * K + k0 + 2 * i];
-        split[m * K + k0 + 16 + i] = A[m * K + k0 + 2 * i + 1];
-      }
-  return split;
+      for (int i = 0; i < 4; ++i)
+        for (int d = 0; d < 8; ++d) perm[m * K + k0 + 8 * i + d] = A[m * K + k0 + 4 * d + i];
+  return perm;
 }
+#endif
 
 // Runs task(i) for i in [0, count) on torch_bq's own worker threads (as many
 // as torch.get_num_threads(), the caller included). Tasks are handed out
@@ -1236,7 +1331,13 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
   constexpr int64_t kRowsPerTask = 16;  // multiple of the tile height NT
   std::vector<float> split;
 #if defined(TORCH_BQ_AVX2)
-  if constexpr (std::is_same_v<Fmt, Fp4Format>) split = split_activation_blocks32(A, M, w.K);
+  if constexpr (std::is_same_v<S, uint8_t>) {
+    if constexpr (std::is_same_v<Fmt, Fp4Format>) split = permute_activation_groups64(A, M, w.K);
+    // The fp8 decoder's subnormals are inputs of its multiplies: with DAZ set it cannot run.
+    if constexpr (std::is_same_v<Fmt, Fp8Format>) {
+      if (w.bk == 32 && !denormals_are_zero()) split = permute_activation_blocks32(A, M, w.K);
+    }
+  }
 #endif
   const float* a_split = split.empty() ? nullptr : split.data();
   run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
