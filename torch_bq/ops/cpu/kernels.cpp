@@ -10,8 +10,11 @@
 // the build machine's CPU; _backend picks the library to load from the CPU it
 // runs on. Each level registers its own internal op namespace
 // `torch.ops.torch_bq_cpu_<level>.*`, so several can live in one process; the
-// public `torch_bq::` ops call them from torch_bq/ops/cpu/linear.py, which
-// also prepares the inputs (A as fp32 [M, K], weight bytes, scale codes).
+// public `torch_bq::` ops call them from torch_bq/ops/cpu/linear.py: the
+// one-call entry points fp8_linear_op / fp4_linear_op (section "public-op
+// entry points": the op's own operands in, its result out), or, for calls
+// those refuse, the kernels below on inputs linear.py prepared (A as fp32
+// [M, K], weight bytes, scale codes).
 //
 // Layout and numerics
 // -------------------
@@ -71,7 +74,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/native/CPUBlas.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -1952,6 +1957,189 @@ at::Tensor qdq_fp8(const at::Tensor& x, double peak, bool fp32_out) {
   return out;
 }
 
+// --------------------------------------------------------------------------
+// public-op entry points: the whole CPU body of torch_bq::fp8_linear / fp4_linear
+// --------------------------------------------------------------------------
+//
+// One call from Python per linear (torch_bq/ops/cpu/linear.py): the operands as
+// the public op takes them (x any of bf16/fp16/fp32 [..., K], any strides;
+// weight and scale in their checkpoint dtypes, reinterpreted as bytes, never
+// copied when contiguous; bias any float [N] or None), then bf16(x), the
+// activation qdq (or the bf16 value as fp32), the kernel above, the bias in
+// fp32 and the one rounding to out_dtype, returning [..., N].
+//
+// They take only calls they can run as they are: plain dense CPU tensors
+// (no Python subclass or mode, no functorch wrapper, no conj/neg bit, no meta),
+// no autograd to record (grad mode off or nothing requiring grad), the
+// shapes and dtypes the checks of torch_bq/reference/linear.py accept,
+// contiguous weight and scale and K > 0. Anything else, invalid arguments
+// included, returns an undefined tensor (None in Python) and the Python side
+// runs the named-error checks and its general path: the checks and their
+// messages stay in one place. act_peak and the block's upper bound are
+// checked there too (module arguments are checked once, at construction).
+
+// The ops are CompositeImplicitAutograd (m.def with a function), so a TorchDispatchMode
+// (fake tensors, make_fx, FlopCounter) never sees them, only what they call: they refuse
+// while one is active, and the mode sees the torch_bq:: op instead.
+bool plain_cpu(const at::Tensor& t) {
+  return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && !t.is_conj() && !t.is_neg() &&
+         !t._is_zerotensor() && !t.unsafeGetTensorImpl()->is_python_dispatch() &&
+         !t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::FuncTorchBatched,
+                                                   c10::DispatchKey::FuncTorchGradWrapper})) &&
+         !(t.requires_grad() && at::GradMode::is_enabled());
+}
+
+bool no_mode() { return c10::impl::TorchDispatchModeTLS::stack_len() == 0; }
+
+bool plain_bias(const std::optional<at::Tensor>& bias, int64_t N) {
+  return !bias.has_value() || (plain_cpu(*bias) && bias->dim() == 1 && bias->size(0) == N &&
+                               at::isFloatingType(bias->scalar_type()));
+}
+
+bool act_dtype(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat; }
+
+bool e8m0_codes(at::ScalarType t) { return t == at::kByte || t == at::kFloat8_e8m0fnu; }
+
+// Scratch for the entry points' fp32 A and result: kept per calling thread (no allocation
+// per call) up to kScratchFloats, allocated per call above it.
+constexpr int64_t kScratchFloats = int64_t(1) << 20;
+
+float* scratch(int64_t count, int slot, at::Tensor& holder) {
+  if (count > kScratchFloats) {
+    holder = at::empty({count}, at::TensorOptions().dtype(at::kFloat));
+    return holder.data_ptr<float>();
+  }
+  thread_local std::vector<float> buffers[2];
+  if (static_cast<int64_t>(buffers[slot].size()) < count) buffers[slot].resize(count);
+  return buffers[slot].data();
+}
+
+// A of docs/contract.md §4 into a (fp32 [M, K]): qdq_fp8(bf16(x)) or bf16(x), x [..., K].
+void stage_activation(const at::Tensor& x, int64_t M, int64_t K, bool act_quant, double act_peak, float* a) {
+  at::Tensor xb = x;
+  if (!(x.scalar_type() == at::kBFloat16 && x.is_contiguous())) xb = x.reshape({M, K}).to(at::kBFloat16).contiguous();
+  const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+  if (act_quant) {
+    qdq_rows<true>(xp, M, K, static_cast<float>(1.0 / act_peak), a);  // fp32(1/peak), as qdq_fp8
+  } else {
+    for (int64_t i = 0; i < M * K; ++i) a[i] = f32_from_bits(uint32_t(xp[i]) << 16);
+  }
+}
+
+// out [M, N] of its dtype = round(y + bias): the op's one final rounding. bf16 as torch
+// rounds (nearest even, NaN -> 0x7FC0), float16 through c10::Half, float32 as it is.
+void store_output(const float* y, const float* bias, int64_t M, int64_t N, at::Tensor& out) {
+  const at::ScalarType t = out.scalar_type();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* yr = y + m * N;
+    int64_t n = 0;
+    if (t == at::kBFloat16) {
+      uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr()) + m * N;
+#if defined(TORCH_BQ_AVX2)
+      const __m256i one = _mm256_set1_epi32(1), round = _mm256_set1_epi32(0x7FFF);
+      const __m256i nan = _mm256_set1_epi32(0x7FC0);
+      for (; n + 8 <= N; n += 8) {
+        __m256 v = _mm256_loadu_ps(yr + n);
+        if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n));
+        const __m256i b = _mm256_castps_si256(v);
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, round), lsb), 16);
+        r = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + n),
+                         _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+      }
+#endif
+      for (; n < N; ++n) o[n] = bf16_rne(bias != nullptr ? yr[n] + bias[n] : yr[n]);
+    } else if (t == at::kHalf) {
+      at::Half* o = out.data_ptr<at::Half>() + m * N;
+      for (; n < N; ++n) o[n] = at::Half(bias != nullptr ? yr[n] + bias[n] : yr[n]);
+    } else {
+      float* o = out.data_ptr<float>() + m * N;
+      for (; n < N; ++n) o[n] = bias != nullptr ? yr[n] + bias[n] : yr[n];
+    }
+  }
+}
+
+// The shared body: A staged, the kernel, bias and rounding into the final [..., N] tensor.
+// The decode path touches no ATen op (each costs microseconds from a cold cache): the
+// weight and scale bytes are read through their pointers, whatever their dtype names.
+template <class Fmt>
+at::Tensor run_entry(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                     const std::optional<at::Tensor>& bias, int64_t bn, int64_t bk, bool act_quant,
+                     double act_peak, at::ScalarType out_dtype, int64_t decode_max_m, int64_t panel_bytes) {
+  const int64_t K = x.size(-1), M = x.numel() / K, N = weight.size(0);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::detail::empty_cpu(shape, out_dtype, false, std::nullopt);
+  if (M == 0 || N == 0) return out;
+  at::Tensor a_holder, y_holder, b_holder;
+  float* a = scratch(M * K, 0, a_holder);
+  float* y = scratch(M * N, 1, y_holder);
+  stage_activation(x, M, K, act_quant, act_peak, a);
+  const WeightView w{static_cast<const uint8_t*>(weight.const_data_ptr()), weight.size(1), scale.const_data_ptr(),
+                     scale.size(1), bn, bk, K};
+  const bool codes = scale.scalar_type() != at::kFloat;
+  if (M <= decode_max_m) {
+    if (codes)
+      decode_linear<Fmt, uint8_t>(w, a, M, N, y);
+    else
+      decode_linear<Fmt, float>(w, a, M, N, y);
+  } else {
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor a_t = at::from_blob(a, {M, K}, f32), y_t = at::from_blob(y, {M, N}, f32);
+    if (codes)
+      prefill_linear(QuantizedRows<Fmt, uint8_t>{w}, a_t, N, panel_bytes, y_t);
+    else
+      prefill_linear(QuantizedRows<Fmt, float>{w}, a_t, N, panel_bytes, y_t);
+  }
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    b_holder = bias->scalar_type() == at::kFloat && bias->is_contiguous() ? *bias : bias->to(at::kFloat).contiguous();
+    b = b_holder.const_data_ptr<float>();
+  }
+  store_output(y, b, M, N, out);
+  return out;
+}
+
+at::Tensor fp8_linear_op(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                         const std::optional<at::Tensor>& bias, at::IntArrayRef block, bool act_quant,
+                         double act_peak, at::ScalarType out_dtype, int64_t decode_max_m, int64_t panel_bytes) {
+  if (!(no_mode() && plain_cpu(x) && plain_cpu(weight) && plain_cpu(scale) && act_dtype(x.scalar_type()) &&
+        act_dtype(out_dtype) && x.dim() >= 1 && block.size() == 2))
+    return {};
+  const int64_t bn = block[0], bk = block[1], limit = std::numeric_limits<int32_t>::max();
+  if (!(bn >= 1 && bk >= 1 && bn <= limit && bk <= limit)) return {};
+  if (!(weight.dim() == 2 && weight.is_contiguous() &&
+        (weight.scalar_type() == at::kByte || weight.scalar_type() == at::kFloat8_e4m3fn)))
+    return {};
+  const int64_t N = weight.size(0), K = weight.size(1);
+  if (!(K > 0 && x.size(-1) == K && plain_bias(bias, N) && scale.dim() == 2 && scale.is_contiguous() &&
+        (e8m0_codes(scale.scalar_type()) || scale.scalar_type() == at::kFloat) &&
+        scale.size(0) == (N + bn - 1) / bn && scale.size(1) == (K + bk - 1) / bk))
+    return {};
+  return run_entry<Fp8Format>(x, weight, scale, bias, bn, bk, act_quant, act_peak, out_dtype, decode_max_m,
+                              panel_bytes);
+}
+
+at::Tensor fp4_linear_op(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                         const std::optional<at::Tensor>& bias, bool act_quant, double act_peak,
+                         at::ScalarType out_dtype, int64_t decode_max_m, int64_t panel_bytes) {
+  if (!(no_mode() && plain_cpu(x) && plain_cpu(weight) && plain_cpu(scale) && act_dtype(x.scalar_type()) &&
+        act_dtype(out_dtype) && x.dim() >= 1))
+    return {};
+  const at::ScalarType wt = weight.scalar_type();
+  if (!(weight.dim() == 2 && weight.is_contiguous() &&
+        (wt == at::kByte || wt == at::kChar || wt == at::kFloat4_e2m1fn_x2)))
+    return {};
+  const int64_t N = weight.size(0), K = x.size(-1);
+  if (!(K > 0 && weight.size(1) == (K + 1) / 2 && plain_bias(bias, N) && scale.dim() == 2 &&
+        scale.is_contiguous() && e8m0_codes(scale.scalar_type()) && scale.size(0) == N &&
+        scale.size(1) == (K + 31) / 32))
+    return {};
+  return run_entry<Fp4Format>(x, weight, scale, bias, 1, 32, act_quant, act_peak, out_dtype, decode_max_m,
+                              panel_bytes);
+}
+
 // The decode kernels this build runs for 32-wide e8m0 blocks: "avx512_bf16"
 // (vdpbf16ps, AVX-512 BW + VBMI), "avx2" (fp32 FMA) or "generic" (scalar).
 std::string decode_isa() {
@@ -2025,6 +2213,15 @@ TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
   m.def("fp4_linear(Tensor a, Tensor weight, Tensor scale, Tensor? bias, int decode_max_m, int panel_bytes) -> Tensor",
         &torch_bq_cpu::fp4_linear);
   m.def("dense_linear(Tensor a, Tensor weight, Tensor? bias, int panel_bytes) -> Tensor", &torch_bq_cpu::dense_linear);
+  // The public ops' entry points (see "public-op entry points"): None for calls they do not take.
+  m.def(
+      "fp8_linear_op(Tensor x, Tensor weight, Tensor scale, Tensor? bias, int[] block, bool act_quant, "
+      "float act_peak, ScalarType out_dtype, int decode_max_m, int panel_bytes) -> Tensor",
+      &torch_bq_cpu::fp8_linear_op);
+  m.def(
+      "fp4_linear_op(Tensor x, Tensor weight, Tensor scale, Tensor? bias, bool act_quant, float act_peak, "
+      "ScalarType out_dtype, int decode_max_m, int panel_bytes) -> Tensor",
+      &torch_bq_cpu::fp4_linear_op);
   m.def("vectorized() -> bool", &torch_bq_cpu::vectorized);
   m.def("prefill_counts() -> int[]", &torch_bq_cpu::prefill_counts);
   m.def("decode_isa() -> str", &torch_bq_cpu::decode_isa);

@@ -4,8 +4,14 @@ and ``qdq_fp8``.
 Twins of :mod:`torch_bq.reference.linear` and :func:`torch_bq.formats.qdq_fp8`:
 same positional signatures, same results (qdq bit-exact; linear up to fp32
 summation order). The math lives in ``kernels.cpp`` and, for NVFP4,
-``nvfp4.cpp`` (see their headers for the decode / prefill layouts); this module prepares the operands and falls back
-to the reference when the compiled kernels are unavailable. The kernels of the
+``nvfp4.cpp`` (see their headers for the decode / prefill layouts).
+``fp8_linear`` / ``fp4_linear`` first try the one-call
+entry points (``fp8_linear_op`` / ``fp4_linear_op``: bf16(x), qdq, kernel, bias and
+output rounding in C++), which refuse anything unusual or invalid; then this
+module checks the arguments (the named errors), prepares the operands for the
+kernels itself, or falls back to the reference when the compiled kernels are
+unavailable. ``direct_fp8_linear`` / ``direct_fp4_linear`` call the entry points
+from eager code without the dispatcher (see there). The kernels of the
 ISA level :mod:`torch_bq.ops._backend` selected run; ``_backend.fast_kernels_disabled()``
 switches these registrations off (torch.library's ``set_kernel_enabled``).
 
@@ -32,7 +38,7 @@ from .. import _backend
 from .. import linear as op_defs
 
 __all__ = [
-    "DECODE_MAX_M", "NVFP4_DECODE_MAX_M", "PANEL_BYTES", "decode_max_m",
+    "DECODE_MAX_M", "NVFP4_DECODE_MAX_M", "PANEL_BYTES", "decode_max_m", "direct_fp8_linear", "direct_fp4_linear",
     "fp8_linear", "fp4_linear", "nvfp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8",
 ]
 
@@ -77,6 +83,87 @@ def decode_max_m(kernels, fmt: str, k: int) -> int:
     return limits[fmt]
 
 
+# --------------------------------------------------------------------------- #
+# the one-call entry points (kernels.cpp, "public-op entry points")
+# --------------------------------------------------------------------------- #
+#
+# ``fp8_linear_op`` / ``fp4_linear_op`` do the whole op (bf16(x), qdq, kernel,
+# bias, rounding to out_dtype) in one C++ call and return None for any call they
+# do not take (invalid arguments among them): then the checks below raise their
+# named errors, or the general path runs. The peak's range is checked here, not
+# in C++, so that its bounds live only in torch_bq.formats.
+
+
+def _fp8_entry(kernels, x, weight, scale, bias, block, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
+    if not formats.MIN_ACT_PEAK <= act_peak <= formats.FP8_MAX:
+        return None
+    try:
+        k = x.shape[-1]
+    except IndexError:  # 0-d x: the checks name it
+        return None
+    return kernels.fp8_linear_op(x, weight, scale, bias, block, act_quant, act_peak, out_dtype,
+                                 decode_max_m(kernels, "fp8", k), PANEL_BYTES)
+
+
+def _fp4_entry(kernels, x, weight, scale, bias, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
+    if not formats.MIN_ACT_PEAK <= act_peak <= formats.FP8_MAX:
+        return None
+    try:
+        k = x.shape[-1]
+    except IndexError:
+        return None
+    return kernels.fp4_linear_op(x, weight, scale, bias, act_quant, act_peak, out_dtype,
+                                 decode_max_m(kernels, "fp4", k), PANEL_BYTES)
+
+
+# Tensor types a direct call takes as they are (nn.Parameter overrides nothing of torch's).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_args(x, weight, scale, bias, act_quant, out_dtype) -> bool:
+    """Plain tensors and exact Python types: anything else goes to the op, whose schema and checks
+    report it in the op's own words (a numpy bool or a dtype's name would otherwise reach the
+    entry op's argument parser)."""
+    return (type(x) in _PLAIN and type(weight) in _PLAIN and type(scale) in _PLAIN
+            and (bias is None or type(bias) in _PLAIN) and type(act_quant) is bool
+            and type(out_dtype) is torch.dtype)
+
+
+def direct_fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
+    """:func:`fp8_linear` called without the ``torch_bq::`` dispatcher, or ``None`` when it must not be.
+
+    For eager calls of the public op (:func:`torch_bq.ops.fp8_linear`, the modules),
+    never under ``torch.compile`` (the caller checks ``torch.compiler.is_compiling()``
+    first) and with ``block`` already checked: the custom-op layers (Python autograd
+    and kernel wrappers) cost more than a whole M = 1 kernel call on small weights
+    from a cold cache. Taken only for plain tensors and where skipping the
+    dispatcher changes nothing (:func:`torch_bq.ops._backend.direct_call_allowed`);
+    the entry op itself refuses dispatch modes and anything autograd must record.
+    ``None``: call the op.
+    """
+    if _plain_args(x, weight, scale, bias, act_quant, out_dtype) and _backend.direct_call_allowed(
+            op_defs._fp8_linear, "cpu"):
+        kernels = _backend.cpu_kernels()
+        if kernels is not None:
+            return _fp8_entry(kernels, x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
+    return None
+
+
+def direct_fp4_linear(x, weight, scale, bias, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
+    """:func:`fp4_linear` without the ``torch_bq::`` dispatcher, or ``None``; see :func:`direct_fp8_linear`."""
+    if _plain_args(x, weight, scale, bias, act_quant, out_dtype) and _backend.direct_call_allowed(
+            op_defs._fp4_linear, "cpu"):
+        kernels = _backend.cpu_kernels()
+        if kernels is not None:
+            return _fp4_entry(kernels, x, weight, scale, bias, act_quant, act_peak, out_dtype)
+    return None
+
+
+# --------------------------------------------------------------------------- #
+# the general path (and the dispatcher's kernels)
+# --------------------------------------------------------------------------- #
+
+
 def _activation(kernels, x: torch.Tensor, act_quant: bool, act_peak: float) -> torch.Tensor:
     """``A`` of docs/contract.md §4 as contiguous float32 ``[M, K]``."""
     x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1]).to(torch.bfloat16).contiguous()
@@ -103,6 +190,9 @@ def fp8_linear(
     kernels = _backend.cpu_kernels()
     if kernels is None:
         return ref.fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
+    y = _fp8_entry(kernels, x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
+    if y is not None:
+        return y
     ref.check_fp8_linear_args(x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
     if weight.shape[1] == 0:
         return ref.zero_k_linear(x, weight.shape[0], bias, out_dtype)
@@ -134,6 +224,9 @@ def fp4_linear(
     kernels = _backend.cpu_kernels()
     if kernels is None:
         return ref.fp4_linear(x, weight, scale, bias, act_quant, act_peak, out_dtype)
+    y = _fp4_entry(kernels, x, weight, scale, bias, act_quant, act_peak, out_dtype)
+    if y is not None:
+        return y
     ref.check_fp4_linear_args(x, weight, scale, bias, act_quant, act_peak, out_dtype)
     if x.shape[-1] == 0:
         return ref.zero_k_linear(x, weight.shape[0], bias, out_dtype)
@@ -214,6 +307,8 @@ def qdq_fp8(x: torch.Tensor, peak: float) -> torch.Tensor:
 
 
 _backend.register_fast_kernel(op_defs._fp8_linear, "cpu", fp8_linear)
+op_defs.register_direct("fp8_linear", direct_fp8_linear)
+op_defs.register_direct("fp4_linear", direct_fp4_linear)
 _backend.register_fast_kernel(op_defs._fp4_linear, "cpu", fp4_linear)
 _backend.register_fast_kernel(op_defs._nvfp4_linear, "cpu", nvfp4_linear)
 _backend.register_fast_kernel(op_defs._qdq_fp8, "cpu", qdq_fp8)
