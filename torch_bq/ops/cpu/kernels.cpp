@@ -70,6 +70,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <condition_variable>
 #include <exception>
 #include <cmath>
@@ -1304,7 +1306,7 @@ struct GemmOperands {
   int64_t M = 0, K = 0, Kp = 0;  // Kp: K rounded up to even (bf16 pairs)
   at::Tensor a32;                // fp32 [M, K]
   at::Tensor bt32;               // fp32 A^T [K, M], built on first use
-  at::Tensor bt16;               // bf16 A^T in pairs ([Kp/2, M, 2], the VNNI layout), or undefined
+  at::Tensor apack;              // bf16 A^T in pairs, blocked for the dot microkernel (pack_activation), or undefined
   LowBits a_bits{0, false};
   std::once_flag bt32_once;
   const float* at32() {
@@ -1336,6 +1338,186 @@ bool bf16_brgemm_works() {
 }
 #endif
 
+#if defined(TORCH_BQ_AVX512)
+// r[i][j] <- r[j][i] for a 16 x 16 matrix of 32-bit elements, one row per register.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+#endif
+
+// Cache lines of `rows` rows (`stride` bytes apart) of `bytes` bytes each, to
+// be prefetched into L2 a few at a time.
+struct PrefetchPlan {
+  const char* base = nullptr;
+  int64_t stride = 0, rows = 0, row_lines = 0, done = 0;
+  PrefetchPlan() = default;
+  PrefetchPlan(const void* first, int64_t stride_, int64_t rows_, int64_t bytes)
+      : base(static_cast<const char*>(first)), stride(stride_), rows(rows_), row_lines((bytes + 63) / 64) {}
+  int64_t lines() const { return rows * row_lines; }
+  void issue(int64_t count) {
+#if defined(TORCH_BQ_AVX2)
+    for (const int64_t end = std::min(lines(), done + count); done < end; ++done)
+      _mm_prefetch(base + done / row_lines * stride + done % row_lines * 64, _MM_HINT_T1);
+#else
+    (void)count;
+#endif
+  }
+};
+
+#if defined(TORCH_BQ_AVX512_BF16)
+// The bf16 microkernel (vdpbf16ps). A register tile holds C^T[r0 : r0 + NR,
+// m0 : m0 + 16 MV] as NR x MV vectors of 16 A rows: per pair of K elements it
+// loads MV vectors of A pairs and broadcasts one (w[n, 2p], w[n, 2p + 1]) pair
+// per weight row, so each vdpbf16ps adds the two products of one pair into 16
+// output lanes. 6 x 4 = 24 accumulators: enough independent chains to keep
+// two vdpbf16ps per cycle in flight (latency x throughput is about 12 on
+// Zen 4/5 and Sapphire Rapids) with 8 registers left for operands; 10 loads
+// per 24 instructions stay under the load ports' rate.
+//
+// A is packed once per call (pack_activation) in blocks of kDotBlock rows:
+// block b holds rows [kDotBlock b, + width) as [Kp/2][width] uint32 bf16 pairs
+// (width = kDotBlock, the last block's rows rounded up to 16 with zero rows),
+// starting at element kDotBlock * b * Kp/2. A K chunk of one block
+// (kDotChunk / 2 pairs x 64 rows x 4 bytes = 32 KiB) stays in L1 while every
+// register tile of the task's weight rows passes over it; the weight panel
+// (kTileRows x kDotChunk bf16 = 48 KiB) stays in L2.
+constexpr int64_t kDotRows = 6;     // weight rows per register tile
+constexpr int64_t kDotBlock = 64;   // A rows per packed block: 4 vectors of 16
+constexpr int64_t kDotChunk = 1024;  // K elements per panel chunk on this path
+
+inline int64_t packed_block_width(int64_t M, int64_t m0) {
+  return std::min(kDotBlock, (M - m0 + 15) / 16 * 16);
+}
+
+// bf16 pairs of A^T (A fp32 [M, K] of bf16-exact values, so the conversion is
+// exact): 16 rows x 32 elements at a time, converted to 16 x 16 pairs and
+// transposed. Rows past M and elements past K are zero.
+at::Tensor pack_activation(const at::Tensor& A, int64_t kp2) {
+  const int64_t M = A.size(0), K = A.size(1);
+  const int64_t blocks = (M + kDotBlock - 1) / kDotBlock;
+  const int64_t total = (blocks - 1) * kDotBlock + packed_block_width(M, (blocks - 1) * kDotBlock);
+  at::Tensor packed = at::empty({total * kp2}, A.options().dtype(at::kInt));
+  const float* a = A.data_ptr<float>();
+  int32_t* dst = packed.data_ptr<int32_t>();
+  constexpr int64_t kPairsPerTask = 512;  // a multiple of 16
+  const int64_t spans = (kp2 + kPairsPerTask - 1) / kPairsPerTask;
+  run_tasks(blocks * spans, [&](int64_t t) {
+    const int64_t m0 = t / spans * kDotBlock, width = packed_block_width(M, m0);
+    const int64_t p0 = t % spans * kPairsPerTask, p1 = std::min(kp2, p0 + kPairsPerTask);
+    int32_t* block = dst + m0 * kp2;
+    for (int64_t g = 0; g < width; g += 16) {
+      for (int64_t p = p0; p < p1; p += 16) {
+        const int64_t k = 2 * p, left = K - k;
+        const __mmask16 lo = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(left, 0)) - 1);
+        const __mmask16 hi = left >= 32 ? __mmask16(0xFFFF) : left <= 16 ? __mmask16(0) : __mmask16((1u << (left - 16)) - 1);
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) {
+          const int64_t m = m0 + g + i;
+          if (m >= M) {
+            r[i] = _mm512_setzero_si512();
+            continue;
+          }
+          const float* row = a + m * K + k;
+          r[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, row + 16), _mm512_maskz_loadu_ps(lo, row));
+        }
+        transpose16(r);
+        const int64_t n = std::min<int64_t>(16, p1 - p);
+        for (int64_t j = 0; j < n; ++j) _mm512_storeu_si512(block + (p + j) * width + g, r[j]);
+      }
+    }
+  });
+  return packed;
+}
+
+// C^T[NR rows (stride ldc), 16 MV columns] (+)= w[NR, 2 kp] x a^T: w bf16 rows of
+// 2 ws elements, a the packed pairs of one block (row stride as). The last
+// vector's columns beyond `tail` are neither read nor written.
+template <int NR, int MV>
+void dot_tile(const uint16_t* w, int64_t ws, const uint32_t* a, int64_t as, int64_t kp, float* c, int64_t ldc,
+              bool accumulate, __mmask16 tail) {
+  __m512 acc[NR][MV];
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < MV; ++v)
+      acc[r][v] = accumulate ? _mm512_maskz_loadu_ps(v == MV - 1 ? tail : __mmask16(0xFFFF), c + r * ldc + 16 * v)
+                             : _mm512_setzero_ps();
+  for (int64_t p = 0; p < kp; ++p) {
+    __m512bh av[MV];
+    for (int v = 0; v < MV; ++v) av[v] = (__m512bh)_mm512_loadu_si512(a + p * as + 16 * v);
+    for (int r = 0; r < NR; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, w + 2 * (r * ws + p), sizeof pair);
+      const __m512bh wb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int v = 0; v < MV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av[v], wb);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < MV; ++v)
+      _mm512_mask_storeu_ps(c + r * ldc + 16 * v, v == MV - 1 ? tail : __mmask16(0xFFFF), acc[r][v]);
+}
+
+using DotTile = void (*)(const uint16_t*, int64_t, const uint32_t*, int64_t, int64_t, float*, int64_t, bool, __mmask16);
+
+template <int NR>
+constexpr DotTile dot_tile_for(int mv) {
+  return mv == 1 ? &dot_tile<NR, 1> : mv == 2 ? &dot_tile<NR, 2> : mv == 3 ? &dot_tile<NR, 3> : &dot_tile<NR, 4>;
+}
+
+inline DotTile dot_tile_for(int nr, int mv) {
+  switch (nr) {
+    case 1: return dot_tile_for<1>(mv);
+    case 2: return dot_tile_for<2>(mv);
+    case 3: return dot_tile_for<3>(mv);
+    case 4: return dot_tile_for<4>(mv);
+    case 5: return dot_tile_for<5>(mv);
+    default: return dot_tile_for<6>(mv);
+  }
+}
+
+// C^T[rows, M] (+)= panel[rows, 2 kp] x A^T[pairs p0 .. p0 + kp) with the packed A.
+// Meanwhile the weight bytes the next panel will decode are prefetched into L2
+// (`next`), spread over the register tiles: short row streams at a stride of K
+// do not train the hardware prefetchers, and a decode that waits on memory
+// would leave the vdpbf16ps units idle.
+void dot_chunk(const uint16_t* panel, int64_t rows, const uint32_t* apack, int64_t kp2, int64_t p0, int64_t kp,
+               int64_t M, float* c, bool accumulate, PrefetchPlan next) {
+  const int64_t calls = (M + kDotBlock - 1) / kDotBlock * ((rows + kDotRows - 1) / kDotRows);
+  const int64_t quota = (next.lines() + calls - 1) / calls;
+  for (int64_t m0 = 0; m0 < M; m0 += kDotBlock) {
+    const int64_t width = packed_block_width(M, m0), cols = std::min(kDotBlock, M - m0);
+    const int mv = static_cast<int>(width / 16);
+    const __mmask16 tail = cols % 16 == 0 ? __mmask16(0xFFFF) : __mmask16((1u << (cols % 16)) - 1);
+    const uint32_t* a = apack + m0 * kp2 + p0 * width;
+    for (int64_t r0 = 0; r0 < rows; r0 += kDotRows) {
+      const int nr = static_cast<int>(std::min(kDotRows, rows - r0));
+      next.issue(quota);
+      dot_tile_for(nr, mv)(panel + 2 * r0 * kp, kp, a, width, kp, c + r0 * M + m0, M, accumulate, tail);
+    }
+  }
+}
+#endif
+
 // The weight side of one task: fills panels with rows [n0, n0 + rows) of W,
 // elements [k0, k1) of each, as fp32 or as bf16 bits, and says the lowest-bit
 // bound of a tile's (decoded) elements.
@@ -1343,6 +1525,11 @@ template <class Fmt, class S>
 struct QuantizedRows {
   const WeightView& w;
   int64_t chunk_align() const { return w.bk; }  // chunks hold whole scale blocks
+  // The stored bytes of elements [k0, k1) of rows [n, n + rows) (k0 a block start).
+  PrefetchPlan bytes_of(int64_t n, int64_t rows, int64_t k0, int64_t k1) const {
+    const int64_t b0 = Fmt::row_bytes(k0);
+    return {w.data + n * w.row_stride + b0, w.row_stride, rows, Fmt::row_bytes(k1) - b0};
+  }
   // Dequantize elements [k0, k1) (k0 a block start) of row n into dst[0, k1 - k0).
   void fp32(int64_t n, int64_t k0, int64_t k1, float* dst) const {
     const uint8_t* row = w.data + n * w.row_stride;
@@ -1389,7 +1576,46 @@ struct QuantizedRows {
     const uint8_t* row = w.data + n * w.row_stride;
     const S* srow = static_cast<const S*>(w.scale) + (n / w.bn) * w.scale_stride;
     const bool daz = denormals_are_zero();
-    for (int64_t b = k0 / w.bk; b * w.bk < k1; ++b) {
+    int64_t b = k0 / w.bk;
+    if constexpr (std::is_same_v<S, uint8_t>) {
+      // Whole blocks in the lean loops below while they apply; the general loop does the rest.
+      if constexpr (std::is_same_v<Fmt, Fp8Format>) {
+        if (!daz && w.bk % 16 == 0) {
+          // As below: e4m3(b) * 2**-120 from the bits, times 2**(code - 127 + 120), for codes up to 134.
+          const __m512i keep = _mm512_set1_epi32(static_cast<int>(0x87F00000u));
+          for (; (b + 1) * w.bk <= k1 && srow[b] <= 134; ++b) {
+            const __m512 sv = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>((uint32_t(srow[b]) + 120) << 23)));
+            const uint8_t* src = row + b * w.bk;
+            uint16_t* out = dst + (b * w.bk - k0);
+            for (int64_t j = 0; j < w.bk; j += 16) {
+              const __m512i d = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j)));
+              const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(d, 20), keep)), sv);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j),
+                                  _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+            }
+          }
+        }
+      } else if constexpr (std::is_same_v<Fmt, Fp4Format>) {
+        if (w.bk == 32) {
+          // Per block, the 16 e2m1 values times the scale (fp32 products, as the
+          // reference forms them; exact in bf16 wherever this path's result is
+          // used), then one word lookup per element: nibble pairs of byte j are
+          // words 2j (low nibble) and 2j + 1 (high nibble).
+          const __m512 values = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f,
+                                               -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+          const __m512i nibble = _mm512_set1_epi32(0x0F);
+          for (; (b + 1) * 32 <= k1; ++b) {
+            const __m512 scaled = _mm512_mul_ps(values, _mm512_set1_ps(kTables.e8m0[srow[b]]));
+            const __m512i table = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(scaled), 16)));
+            const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)));
+            const __m512i idx = _mm512_or_si512(_mm512_and_si512(x, nibble),
+                                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(x, 4), nibble), 16));
+            _mm512_storeu_si512(reinterpret_cast<void*>(dst + (b * 32 - k0)), _mm512_permutexvar_epi16(idx, table));
+          }
+        }
+      }
+    }
+    for (; b * w.bk < k1; ++b) {
       const int64_t b0 = b * w.bk, b1 = std::min(k1, b0 + w.bk);
       const float s = scale_value(srow, b);
       bool ok = true;
@@ -1437,6 +1663,9 @@ struct DenseRows {
   const T* data;
   int64_t K;
   int64_t chunk_align() const { return 1; }
+  PrefetchPlan bytes_of(int64_t n, int64_t rows, int64_t k0, int64_t k1) const {
+    return {data + n * K + k0, static_cast<int64_t>(K * sizeof(T)), rows, static_cast<int64_t>((k1 - k0) * sizeof(T))};
+  }
   static uint16_t bf16_of(T v) {
     if constexpr (std::is_same_v<T, float>) {
       return bf16_rne(v);
@@ -1514,10 +1743,38 @@ inline TileBuffers& tile_buffers() {
   return buffers;
 }
 
+struct Prof { std::atomic<int64_t> ns[6]; ~Prof() { if (getenv("TBQ_PROF")) fprintf(stderr, "prof ms: pack %.1f decode %.1f dot %.1f out %.1f total %.1f\n", ns[0]/1e6, ns[1]/1e6, ns[2]/1e6, ns[3]/1e6, ns[4]/1e6); } };
+Prof prof;
+inline int64_t now_ns() { return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+inline int64_t knob(const char* name, int64_t dflt) { const char* v = getenv(name); return v ? atoll(v) : dflt; }
 inline int64_t chunk_elems(int64_t align) {
   // Whole scale blocks, even (bf16 pairs), near kChunkElems.
   int64_t step = align % 2 == 0 ? align : 2 * align;
-  return std::max<int64_t>(step, kChunkElems / step * step);
+#if defined(TORCH_BQ_AVX512_BF16)
+  static const int64_t target = knob("TBQ_KC", kDotChunk);
+#else
+  const int64_t target = kChunkElems;
+#endif
+  return std::max<int64_t>(step, target / step * step);
+}
+
+// out[m, r] = c[r, m] for r < rows, m < M (out's rows ldo apart).
+inline void store_transposed(const float* c, int64_t rows, int64_t M, float* out, int64_t ldo) {
+  int64_t r0 = 0;
+#if defined(TORCH_BQ_AVX512)
+  for (; r0 + 16 <= rows; r0 += 16) {
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      const int64_t cols = std::min<int64_t>(16, M - m0);
+      const __mmask16 valid = cols == 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+      __m512i v[16];
+      for (int i = 0; i < 16; ++i) v[i] = _mm512_maskz_loadu_epi32(valid, c + (r0 + i) * M + m0);
+      transpose16(v);
+      for (int64_t j = 0; j < cols; ++j) _mm512_storeu_si512(out + (m0 + j) * ldo + r0, v[j]);
+    }
+  }
+#endif
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t r = r0; r < rows; ++r) out[m * ldo + r] = c[r * M + m];
 }
 
 // out[:, n0:n0+rows] for one task. With bf16_ok (A allows it), each K chunk
@@ -1530,7 +1787,7 @@ void gemm_tile(const Rows& wr, GemmOperands& ops, int64_t n0, int64_t rows, bool
   TileBuffers& buf = tile_buffers();
   buf.c.resize(rows * M);
   float* c = buf.c.data();
-  bool all_bf16 = bf16_ok, any_bf16 = false;
+  bool all_bf16 = bf16_ok;
   for (int64_t k0 = 0; k0 < K; k0 += kc) {
     const int64_t k1 = std::min(K, k0 + kc), width = k1 - k0;
     bool chunk_bf16 = false;
@@ -1540,6 +1797,7 @@ void gemm_tile(const Rows& wr, GemmOperands& ops, int64_t n0, int64_t rows, bool
       buf.panel16.resize(rows * padded);
       buf.scratch.resize(width);
       uint16_t* p = buf.panel16.data();
+      int64_t t0 = now_ns();
       LowBits bits{std::numeric_limits<int>::max(), false};
       for (int64_t r = 0; r < rows; ++r) {
         const LowBits row_bits = wr.bf16(n0 + r, k0, k1, p + r * padded, buf.scratch.data());
@@ -1547,15 +1805,16 @@ void gemm_tile(const Rows& wr, GemmOperands& ops, int64_t n0, int64_t rows, bool
         if (padded != width) p[r * padded + width] = 0;
       }
       chunk_bf16 = !bits.subnormal && ops.a_bits.low_bit + bits.low_bit >= -126;
+      int64_t t1 = now_ns(); prof.ns[1] += t1 - t0;
       if (chunk_bf16) {
-        const auto* bt = reinterpret_cast<const at::BFloat16*>(ops.bt16.data_ptr<at::BFloat16>());
-        for (int64_t m0 = 0; m0 < M; m0 += kTileCols) {
-          const int64_t cols = std::min(kTileCols, M - m0);
-          at::native::cpublas::brgemm(rows, cols, padded, padded, M, M, k0 > 0,
-                                      reinterpret_cast<const at::BFloat16*>(p), bt + k0 * M + 2 * m0, c + m0, true);
-        }
-        any_bf16 = true;
+        // The next chunk of these rows, or the first chunk of the next rows.
+        const PrefetchPlan next = k1 < K ? wr.bytes_of(n0, rows, k1, std::min(K, k1 + kc))
+                                  : n0 + rows < N ? wr.bytes_of(n0 + rows, std::min(rows, N - n0 - rows), 0, std::min(K, kc))
+                                                  : PrefetchPlan();
+        dot_chunk(p, rows, reinterpret_cast<const uint32_t*>(ops.apack.data_ptr<int32_t>()), ops.Kp / 2, k0 / 2,
+                  padded / 2, M, c, k0 > 0, next);
       }
+      prof.ns[2] += now_ns() - t1;
     }
 #endif
     if (!chunk_bf16) {
@@ -1570,9 +1829,9 @@ void gemm_tile(const Rows& wr, GemmOperands& ops, int64_t n0, int64_t rows, bool
       all_bf16 = false;
     }
   }
-  if (any_bf16) at::native::cpublas::brgemm_release(true);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t r = 0; r < rows; ++r) out[m * N + n0 + r] = c[r * M + m];
+  int64_t t3 = now_ns();
+  store_transposed(c, rows, M, out + n0, N);
+  prof.ns[3] += now_ns() - t3;
   prefill_tiles[all_bf16 ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -1598,6 +1857,7 @@ template <class Rows>
 void prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t panel_bytes, at::Tensor& out) {
 #if defined(TORCH_BQ_AVX2)
   if (brgemm_enabled()) {
+    struct T { int64_t t0 = now_ns(); ~T() { prof.ns[4] += now_ns() - t0; if (getenv("TBQ_PROF")) { fprintf(stderr, "prof ms: pack %.1f decode %.1f dot %.1f out %.1f total %.1f\n", prof.ns[0]/1e6, prof.ns[1]/1e6, prof.ns[2]/1e6, prof.ns[3]/1e6, prof.ns[4]/1e6); for (auto& x : prof.ns) x = 0; } } } timer;
     GemmOperands ops;
     ops.M = A.size(0);
     ops.K = A.size(1);
@@ -1608,18 +1868,20 @@ void prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t pane
     bf16 = !ops.a_bits.subnormal && bf16_brgemm_works();
     if (bf16) {
       ops.Kp = ops.K + (ops.K & 1);
-      at::Tensor a16 = A.to(at::kBFloat16);  // exact
-      if (ops.Kp != ops.K) a16 = at::constant_pad_nd(a16, {0, 1});
-      // (k, k+1) pairs of one A row are one int32: A^T in pairs is the int32 transpose.
-      at::Tensor pairs = at::empty({ops.Kp / 2, ops.M}, A.options().dtype(at::kInt));
-      pairs.copy_(a16.view(at::kInt).t());
-      ops.bt16 = pairs.view(at::kBFloat16);
+      int64_t t0 = now_ns();
+      ops.apack = pack_activation(A, ops.Kp / 2);
+      prof.ns[0] += now_ns() - t0;
     }
 #endif
-    const int64_t tasks = (N + kTileRows - 1) / kTileRows;
+#if defined(TORCH_BQ_AVX512_BF16)
+    static const int64_t task_rows = knob("TBQ_ROWS", 96);
+#else
+    static const int64_t task_rows = knob("TBQ_ROWS", kTileRows);
+#endif
+    const int64_t tasks = (N + task_rows - 1) / task_rows;
     float* o = out.data_ptr<float>();
     run_tasks(tasks, [&](int64_t t) {
-      const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
+      const int64_t n0 = t * task_rows, rows = std::min(task_rows, N - n0);
       gemm_tile(wr, ops, n0, rows, bf16, o, N);
     });
     return;
