@@ -44,10 +44,12 @@
 //   result does not depend on the thread count.
 //   With AVX-512 BF16 (TORCH_BQ_AVX512_BF16), 32-wide e8m0 blocks take the
 //   bf16 dot-product kernels instead: section "decode path, AVX-512 BF16".
-// Prefill (M > decode_max_m): a panel of P rows of W (P*K*4 <= panel_bytes) is
-//   dequantized to fp32 in parallel, then at::mm(A, panel^T) (MKL/oneDNN)
-//   produces out[:, n0:n0+P]. Extra memory: the panel plus an [M, P] result,
-//   independent of N*K.
+// Prefill (M > decode_max_m): tasks of 96 (AVX512_BF16) or 64 rows of W
+//   dequantize K chunks of their rows into an L2-resident panel and multiply
+//   it with A in fp32 accumulators: torch_bq's vdpbf16ps tiles with AVX512_BF16,
+//   oneDNN's fp32 brgemm microkernel otherwise, at::mm in the generic build
+//   (section "prefill path"). Extra memory: per task the panel and an
+//   [Nt, M] fp32 tile, per call a bf16 copy of A; independent of N*K.
 //
 // Vector decoding (AVX2 + F16C):
 //   fp8: sign-extend byte to int16, shift left 7, keep sign and bits 7..13 ->
@@ -70,8 +72,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
-#include <cstdio>
 #include <condition_variable>
 #include <exception>
 #include <cmath>
@@ -1245,31 +1245,45 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 // prefill path: dequantize tiles of W, then a GEMM microkernel per tile
 // --------------------------------------------------------------------------
 //
-// Every task owns kTileRows rows of W (output columns n0 .. n0 + Nt) and
-// computes them for all M rows of A, K chunk by K chunk:
-//   for k-chunk (kc elements, whole scale blocks):
+// Every task owns Nt rows of W (output columns n0 .. n0 + Nt; Nt = kDotTaskRows
+// with AVX512_BF16, else kTileRows) and computes them for all M rows of A,
+// K chunk by K chunk:
+//   for k-chunk (kc elements, whole scale blocks; kc does not depend on K):
 //     panel[Nt, kc] = dequantize(W[n0:n0+Nt, k-chunk])        (L2-resident)
-//     for m-chunk (kTileCols rows of A):
-//       C^T[Nt, m-chunk] (+)= panel x A^T[k-chunk, m-chunk]   (brgemm, fp32 accumulators)
+//     C^T[Nt, M] (+)= panel x A^T[k-chunk, :]                 (fp32 accumulators)
 //   out[:, n0:n0+Nt] = (C^T)^T
-// The GEMM is oneDNN's brgemm microkernel (at::native::cpublas::brgemm),
-// single-threaded inside each task: the tasks are the only parallelism, so no
-// GEMM-internal barrier waits for a descheduled thread. Accumulation is fp32
-// over the whole of K (C^T is fp32 and accumulates across chunks), so there is
-// one final rounding only, in the caller. Extra memory per task: the panel
-// and an [Nt, M] fp32 tile, independent of N and (beyond kc) of K.
+// The GEMM of a chunk is single-threaded inside each task: the tasks are the
+// only parallelism, so no GEMM-internal barrier waits for a descheduled
+// thread. Accumulation is fp32 over the whole of K (C^T is fp32 and
+// accumulates across chunks), so there is one final rounding only, in the
+// caller. Extra memory per task: the panel and an [Nt, M] fp32 tile,
+// independent of N and of K; per call, the packed bf16 copy of A.
 //
 // Element types of the microkernel:
-// * bf16 x bf16 -> fp32 (builds with AVX512_BF16: vdpbf16ps / AMX): the
-//   decoded weights and A are exact in bf16 (docs/contract.md §1, §3), so the products
-//   are the fp32 products the reference forms. vdpbf16ps treats subnormal
-//   inputs and results as zero, so a tile takes this path only if nothing
-//   subnormal can occur: A and the tile's weights hold no subnormal and the
-//   product of their lowest set bits is at least 2**-126 (every product, and
-//   every fp32 partial sum of them, is then a multiple of that quantum:
-//   zero or normal). Other tiles run the fp32 microkernel.
-// * fp32 x fp32 -> fp32 (AVX2 / AVX-512 builds, fp32 scales, and the tiles above).
+// * bf16 x bf16 -> fp32 (builds with AVX512_BF16): torch_bq's own vdpbf16ps
+//   register tiles (dot_chunk below; oneDNN's brgemm with the panel as its
+//   row operand reached only about 0.8x of oneDNN's own matmul). The
+//   decoded weights and A are exact in bf16 (docs/contract.md §1, §3), so
+//   every product is the fp32 product the reference forms, and each
+//   vdpbf16ps adds two of them into an fp32 lane: fp32 accumulation in
+//   another order, inside the contract's bound (each term passes through at
+//   most K + 1 fp32 roundings). vdpbf16ps treats subnormal inputs and
+//   results as zero, so a chunk takes this path only if nothing subnormal can
+//   occur: A and the chunk's weights hold no subnormal and the product of
+//   their lowest set bits is at least 2**-126 (every product, and every fp32
+//   partial sum of them, is then a multiple of that quantum: zero or
+//   normal). Other chunks run the fp32 microkernel into the same C^T.
+// * fp32 x fp32 -> fp32: oneDNN's brgemm microkernel
+//   (at::native::cpublas::brgemm) on fp32 panels with kTileCols-row slices of
+//   A^T (AVX2 / AVX-512 builds, fp32 scales, and the chunks above).
 // * The generic build (CPUs without AVX2) keeps at::mm on fp32 panels.
+//
+// A weight format plugs in as a "Rows" type (QuantizedRows<Fmt, S>,
+// DenseRows<T>) with: chunk_align() (K chunks hold whole multiples of it),
+// fp32(n, k0, k1, dst) (dequantized row n, elements [k0, k1)), bf16(n, k0,
+// k1, dst16, scratch) -> LowBits (the same as bf16 bits, exact whenever the
+// returned bound says normal), and bytes_of(n, rows, k0, k1) (the stored
+// bytes of those elements, for the prefetch).
 
 // Tiles run per microkernel since load: bf16, fp32, at::mm panels (tests read
 // them through the prefill_counts op to see which path a call took).
@@ -1399,13 +1413,19 @@ struct PrefetchPlan {
 // A is packed once per call (pack_activation) in blocks of kDotBlock rows:
 // block b holds rows [kDotBlock b, + width) as [Kp/2][width] uint32 bf16 pairs
 // (width = kDotBlock, the last block's rows rounded up to 16 with zero rows),
-// starting at element kDotBlock * b * Kp/2. A K chunk of one block
-// (kDotChunk / 2 pairs x 64 rows x 4 bytes = 32 KiB) stays in L1 while every
-// register tile of the task's weight rows passes over it; the weight panel
-// (kTileRows x kDotChunk bf16 = 48 KiB) stays in L2.
+// starting at element kDotBlock * b * Kp/2, so a register tile reads one
+// contiguous stream. Per task (kDotTaskRows weight rows) and K chunk
+// (kDotChunk elements): the bf16 panel (96 x 1024 x 2 = 192 KiB) and one
+// block's chunk of A (512 pairs x 64 rows x 4 = 128 KiB) sit in L2 together
+// with the fp32 C^T tile; the panel is decoded once and read by every A
+// block, each A block by the 16 register tiles of the task. On the Zen 5
+// benchmark machine the tile runs at 510-530 GFLOP/s per core from L2
+// (vdpbf16ps peak about 2 x 64 flops per cycle), i.e. K does not shrink
+// anything: the chunk is a fixed width and the tile covers the task's rows.
 constexpr int64_t kDotRows = 6;     // weight rows per register tile
 constexpr int64_t kDotBlock = 64;   // A rows per packed block: 4 vectors of 16
 constexpr int64_t kDotChunk = 1024;  // K elements per panel chunk on this path
+constexpr int64_t kDotTaskRows = 96;  // W rows per task on this path: 16 register tiles
 
 inline int64_t packed_block_width(int64_t M, int64_t m0) {
   return std::min(kDotBlock, (M - m0 + 15) / 16 * 16);
@@ -1580,21 +1600,27 @@ struct QuantizedRows {
     if constexpr (std::is_same_v<S, uint8_t>) {
       // Whole blocks in the lean loops below while they apply; the general loop does the rest.
       if constexpr (std::is_same_v<Fmt, Fp8Format>) {
-        if (!daz && w.bk % 16 == 0) {
+#if defined(TORCH_BQ_AVX512_BF16)
+        if (!daz && w.bk % 32 == 0) {
           // As below: e4m3(b) * 2**-120 from the bits, times 2**(code - 127 + 120), for codes up to 134.
           const __m512i keep = _mm512_set1_epi32(static_cast<int>(0x87F00000u));
           for (; (b + 1) * w.bk <= k1 && srow[b] <= 134; ++b) {
             const __m512 sv = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>((uint32_t(srow[b]) + 120) << 23)));
             const uint8_t* src = row + b * w.bk;
             uint16_t* out = dst + (b * w.bk - k0);
-            for (int64_t j = 0; j < w.bk; j += 16) {
-              const __m512i d = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j)));
-              const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(d, 20), keep)), sv);
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j),
-                                  _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+            // 32 at a time through vcvtne2ps2bf16: exact on bf16-exact values; it
+            // flushes subnormal ones, but a panel that holds any is not used (low_bits).
+            for (int64_t j = 0; j < w.bk; j += 32) {
+              __m512 v[2];
+              for (int h = 0; h < 2; ++h) {
+                const __m512i d = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j + 16 * h)));
+                v[h] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(d, 20), keep)), sv);
+              }
+              _mm512_storeu_si512(reinterpret_cast<void*>(out + j), (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
             }
           }
         }
+#endif
       } else if constexpr (std::is_same_v<Fmt, Fp4Format>) {
         if (w.bk == 32) {
           // Per block, the 16 e2m1 values times the scale (fp32 products, as the
@@ -1743,17 +1769,13 @@ inline TileBuffers& tile_buffers() {
   return buffers;
 }
 
-struct Prof { std::atomic<int64_t> ns[6]; ~Prof() { if (getenv("TBQ_PROF")) fprintf(stderr, "prof ms: pack %.1f decode %.1f dot %.1f out %.1f total %.1f\n", ns[0]/1e6, ns[1]/1e6, ns[2]/1e6, ns[3]/1e6, ns[4]/1e6); } };
-Prof prof;
-inline int64_t now_ns() { return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-inline int64_t knob(const char* name, int64_t dflt) { const char* v = getenv(name); return v ? atoll(v) : dflt; }
 inline int64_t chunk_elems(int64_t align) {
   // Whole scale blocks, even (bf16 pairs), near kChunkElems.
   int64_t step = align % 2 == 0 ? align : 2 * align;
 #if defined(TORCH_BQ_AVX512_BF16)
-  static const int64_t target = knob("TBQ_KC", kDotChunk);
+  constexpr int64_t target = kDotChunk;
 #else
-  const int64_t target = kChunkElems;
+  constexpr int64_t target = kChunkElems;
 #endif
   return std::max<int64_t>(step, target / step * step);
 }
@@ -1797,7 +1819,6 @@ void gemm_tile(const Rows& wr, GemmOperands& ops, int64_t n0, int64_t rows, bool
       buf.panel16.resize(rows * padded);
       buf.scratch.resize(width);
       uint16_t* p = buf.panel16.data();
-      int64_t t0 = now_ns();
       LowBits bits{std::numeric_limits<int>::max(), false};
       for (int64_t r = 0; r < rows; ++r) {
         const LowBits row_bits = wr.bf16(n0 + r, k0, k1, p + r * padded, buf.scratch.data());
@@ -1805,7 +1826,6 @@ void gemm_tile(const Rows& wr, GemmOperands& ops, int64_t n0, int64_t rows, bool
         if (padded != width) p[r * padded + width] = 0;
       }
       chunk_bf16 = !bits.subnormal && ops.a_bits.low_bit + bits.low_bit >= -126;
-      int64_t t1 = now_ns(); prof.ns[1] += t1 - t0;
       if (chunk_bf16) {
         // The next chunk of these rows, or the first chunk of the next rows.
         const PrefetchPlan next = k1 < K ? wr.bytes_of(n0, rows, k1, std::min(K, k1 + kc))
@@ -1814,7 +1834,6 @@ void gemm_tile(const Rows& wr, GemmOperands& ops, int64_t n0, int64_t rows, bool
         dot_chunk(p, rows, reinterpret_cast<const uint32_t*>(ops.apack.data_ptr<int32_t>()), ops.Kp / 2, k0 / 2,
                   padded / 2, M, c, k0 > 0, next);
       }
-      prof.ns[2] += now_ns() - t1;
     }
 #endif
     if (!chunk_bf16) {
@@ -1829,9 +1848,7 @@ void gemm_tile(const Rows& wr, GemmOperands& ops, int64_t n0, int64_t rows, bool
       all_bf16 = false;
     }
   }
-  int64_t t3 = now_ns();
   store_transposed(c, rows, M, out + n0, N);
-  prof.ns[3] += now_ns() - t3;
   prefill_tiles[all_bf16 ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -1857,7 +1874,6 @@ template <class Rows>
 void prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t panel_bytes, at::Tensor& out) {
 #if defined(TORCH_BQ_AVX2)
   if (brgemm_enabled()) {
-    struct T { int64_t t0 = now_ns(); ~T() { prof.ns[4] += now_ns() - t0; if (getenv("TBQ_PROF")) { fprintf(stderr, "prof ms: pack %.1f decode %.1f dot %.1f out %.1f total %.1f\n", prof.ns[0]/1e6, prof.ns[1]/1e6, prof.ns[2]/1e6, prof.ns[3]/1e6, prof.ns[4]/1e6); for (auto& x : prof.ns) x = 0; } } } timer;
     GemmOperands ops;
     ops.M = A.size(0);
     ops.K = A.size(1);
@@ -1868,15 +1884,13 @@ void prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t pane
     bf16 = !ops.a_bits.subnormal && bf16_brgemm_works();
     if (bf16) {
       ops.Kp = ops.K + (ops.K & 1);
-      int64_t t0 = now_ns();
       ops.apack = pack_activation(A, ops.Kp / 2);
-      prof.ns[0] += now_ns() - t0;
     }
 #endif
 #if defined(TORCH_BQ_AVX512_BF16)
-    static const int64_t task_rows = knob("TBQ_ROWS", 96);
+    constexpr int64_t task_rows = kDotTaskRows;
 #else
-    static const int64_t task_rows = knob("TBQ_ROWS", kTileRows);
+    constexpr int64_t task_rows = kTileRows;
 #endif
     const int64_t tasks = (N + task_rows - 1) / task_rows;
     float* o = out.data_ptr<float>();
@@ -2135,6 +2149,15 @@ std::vector<int64_t> prefill_counts() {
   return {prefill_tiles[0].load(), prefill_tiles[1].load(), prefill_tiles[2].load()};
 }
 
+// W rows per prefill task (the generic build: the fewest rows of an at::mm panel).
+int64_t prefill_task_rows() {
+#if defined(TORCH_BQ_AVX512_BF16)
+  return kDotTaskRows;
+#else
+  return kTileRows;
+#endif
+}
+
 // The level this library was compiled for (torch_bq/ops/cpu/isa.py: LEVELS).
 std::string isa() { return TORCH_BQ_STR(TORCH_BQ_ISA); }
 
@@ -2154,5 +2177,6 @@ TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
   m.def("dense_linear(Tensor a, Tensor weight, Tensor? bias, int panel_bytes) -> Tensor", &torch_bq_cpu::dense_linear);
   m.def("vectorized() -> bool", &torch_bq_cpu::vectorized);
   m.def("prefill_counts() -> int[]", &torch_bq_cpu::prefill_counts);
+  m.def("prefill_task_rows() -> int", &torch_bq_cpu::prefill_task_rows);
   m.def("decode_isa() -> str", &torch_bq_cpu::decode_isa);
 }
