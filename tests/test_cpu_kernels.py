@@ -439,7 +439,8 @@ def test_prefill_tile_edges(level, m, extra, k, block, scale_dtype):
     y32 = FP32W[level](x, w, None, torch.bfloat16)
     assert_linear_close(y32, x.to(torch.bfloat16), w.to(torch.bfloat16))
     grown = prefill_counts(level) - before
-    assert int(grown.sum()) >= 4 * 3  # the four ops ran three prefill tasks (or panels) each
+    if level != "generic":  # (at::mm panels there: as many rows as 4 MiB of fp32 holds)
+        assert int(grown.sum()) == 4 * 3, grown  # the four ops ran three prefill tasks each
     if level == "avx512_bf16" and scale_dtype != torch.float32:
         assert int(grown[1]) == 0, grown  # e8m0 weights and normal A: all on the bf16 tiles
 

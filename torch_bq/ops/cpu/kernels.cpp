@@ -82,6 +82,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <unistd.h>
@@ -1780,6 +1781,12 @@ inline int64_t chunk_elems(int64_t align) {
   return std::max<int64_t>(step, target / step * step);
 }
 
+// Whether a Rows type can say where its stored bytes are (bytes_of; optional: no prefetch without it).
+template <class R, class = void>
+struct has_bytes_of : std::false_type {};
+template <class R>
+struct has_bytes_of<R, std::void_t<decltype(std::declval<const R&>().bytes_of(0, 0, 0, 0))>> : std::true_type {};
+
 // out[m, r] = c[r, m] for r < rows, m < M (out's rows ldo apart).
 inline void store_transposed(const float* c, int64_t rows, int64_t M, float* out, int64_t ldo) {
   int64_t r0 = 0;
@@ -1828,9 +1835,13 @@ void gemm_tile(const Rows& wr, GemmOperands& ops, int64_t n0, int64_t rows, bool
       chunk_bf16 = !bits.subnormal && ops.a_bits.low_bit + bits.low_bit >= -126;
       if (chunk_bf16) {
         // The next chunk of these rows, or the first chunk of the next rows.
-        const PrefetchPlan next = k1 < K ? wr.bytes_of(n0, rows, k1, std::min(K, k1 + kc))
-                                  : n0 + rows < N ? wr.bytes_of(n0 + rows, std::min(rows, N - n0 - rows), 0, std::min(K, kc))
-                                                  : PrefetchPlan();
+        PrefetchPlan next;
+        if constexpr (has_bytes_of<Rows>::value) {
+          if (k1 < K)
+            next = wr.bytes_of(n0, rows, k1, std::min(K, k1 + kc));
+          else if (n0 + rows < N)
+            next = wr.bytes_of(n0 + rows, std::min(rows, N - n0 - rows), 0, std::min(K, kc));
+        }
         dot_chunk(p, rows, reinterpret_cast<const uint32_t*>(ops.apack.data_ptr<int32_t>()), ops.Kp / 2, k0 / 2,
                   padded / 2, M, c, k0 > 0, next);
       }
