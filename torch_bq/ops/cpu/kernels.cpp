@@ -48,10 +48,12 @@
 //   result does not depend on the thread count.
 //   With AVX-512 BF16 (TORCH_BQ_AVX512_BF16), 32-wide e8m0 blocks take the
 //   bf16 dot-product kernels instead: section "decode path, AVX-512 BF16".
-// Prefill (M > decode_max_m): a panel of P rows of W (P*K*4 <= panel_bytes) is
-//   dequantized to fp32 in parallel, then at::mm(A, panel^T) (MKL/oneDNN)
-//   produces out[:, n0:n0+P]. Extra memory: the panel plus an [M, P] result,
-//   independent of N*K.
+// Prefill (M > decode_max_m): tasks of 96 (AVX512_BF16) or 64 rows of W
+//   dequantize K chunks of their rows into an L2-resident panel and multiply
+//   it with A in fp32 accumulators: torch_bq's vdpbf16ps tiles with AVX512_BF16,
+//   oneDNN's fp32 brgemm microkernel otherwise, at::mm in the generic build
+//   (section "prefill path"). Extra memory: per task the panel and an
+//   [Nt, M] fp32 tile, per call a bf16 copy of A; independent of N*K.
 //
 // Vector decoding (AVX2 + F16C):
 //   fp8: sign-extend byte to int16, shift left 7, keep sign and bits 7..13 ->
@@ -91,6 +93,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <unistd.h>
@@ -1351,31 +1354,45 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 // prefill path: dequantize tiles of W, then a GEMM microkernel per tile
 // --------------------------------------------------------------------------
 //
-// Every task owns kTileRows rows of W (output columns n0 .. n0 + Nt) and
-// computes them for all M rows of A, K chunk by K chunk:
-//   for k-chunk (kc elements, whole scale blocks):
+// Every task owns Nt rows of W (output columns n0 .. n0 + Nt; Nt = kDotTaskRows
+// with AVX512_BF16, else kTileRows) and computes them for all M rows of A,
+// K chunk by K chunk:
+//   for k-chunk (kc elements, whole scale blocks; kc does not depend on K):
 //     panel[Nt, kc] = dequantize(W[n0:n0+Nt, k-chunk])        (L2-resident)
-//     for m-chunk (kTileCols rows of A):
-//       C^T[Nt, m-chunk] (+)= panel x A^T[k-chunk, m-chunk]   (brgemm, fp32 accumulators)
+//     C^T[Nt, M] (+)= panel x A^T[k-chunk, :]                 (fp32 accumulators)
 //   out[:, n0:n0+Nt] = (C^T)^T
-// The GEMM is oneDNN's brgemm microkernel (at::native::cpublas::brgemm),
-// single-threaded inside each task: the tasks are the only parallelism, so no
-// GEMM-internal barrier waits for a descheduled thread. Accumulation is fp32
-// over the whole of K (C^T is fp32 and accumulates across chunks), so there is
-// one final rounding only, in the caller. Extra memory per task: the panel
-// and an [Nt, M] fp32 tile, independent of N and (beyond kc) of K.
+// The GEMM of a chunk is single-threaded inside each task: the tasks are the
+// only parallelism, so no GEMM-internal barrier waits for a descheduled
+// thread. Accumulation is fp32 over the whole of K (C^T is fp32 and
+// accumulates across chunks), so there is one final rounding only, in the
+// caller. Extra memory per task: the panel and an [Nt, M] fp32 tile,
+// independent of N and of K; per call, the packed bf16 copy of A.
 //
 // Element types of the microkernel:
-// * bf16 x bf16 -> fp32 (builds with AVX512_BF16: vdpbf16ps / AMX): the
-//   decoded weights and A are exact in bf16 (docs/contract.md §1, §3), so the products
-//   are the fp32 products the reference forms. vdpbf16ps treats subnormal
-//   inputs and results as zero, so a tile takes this path only if nothing
-//   subnormal can occur: A and the tile's weights hold no subnormal and the
-//   product of their lowest set bits is at least 2**-126 (every product, and
-//   every fp32 partial sum of them, is then a multiple of that quantum:
-//   zero or normal). Other tiles run the fp32 microkernel.
-// * fp32 x fp32 -> fp32 (AVX2 / AVX-512 builds, fp32 scales, and the tiles above).
+// * bf16 x bf16 -> fp32 (builds with AVX512_BF16): torch_bq's own vdpbf16ps
+//   register tiles (dot_chunk below; oneDNN's brgemm with the panel as its
+//   row operand reached only about 0.8x of oneDNN's own matmul). The
+//   decoded weights and A are exact in bf16 (docs/contract.md §1, §3), so
+//   every product is the fp32 product the reference forms, and each
+//   vdpbf16ps adds two of them into an fp32 lane: fp32 accumulation in
+//   another order, inside the contract's bound (each term passes through at
+//   most K + 1 fp32 roundings). vdpbf16ps treats subnormal inputs and
+//   results as zero, so a chunk takes this path only if nothing subnormal can
+//   occur: A and the chunk's weights hold no subnormal and the product of
+//   their lowest set bits is at least 2**-126 (every product, and every fp32
+//   partial sum of them, is then a multiple of that quantum: zero or
+//   normal). Other chunks run the fp32 microkernel into the same C^T.
+// * fp32 x fp32 -> fp32: oneDNN's brgemm microkernel
+//   (at::native::cpublas::brgemm) on fp32 panels with kTileCols-row slices of
+//   A^T (AVX2 / AVX-512 builds, fp32 scales, and the chunks above).
 // * The generic build (CPUs without AVX2) keeps at::mm on fp32 panels.
+//
+// A weight format plugs in as a "Rows" type (QuantizedRows<Fmt, S>,
+// DenseRows<T>) with: chunk_align() (K chunks hold whole multiples of it),
+// fp32(n, k0, k1, dst) (dequantized row n, elements [k0, k1)), bf16(n, k0,
+// k1, dst16, scratch) -> LowBits (the same as bf16 bits, exact whenever the
+// returned bound says normal), and bytes_of(n, rows, k0, k1) (the stored
+// bytes of those elements, for the prefetch).
 
 // Tiles run per microkernel since load: bf16, fp32, at::mm panels (tests read
 // them through the prefill_counts op to see which path a call took).
@@ -1412,7 +1429,7 @@ struct GemmOperands {
   int64_t M = 0, K = 0, Kp = 0;  // Kp: K rounded up to even (bf16 pairs)
   at::Tensor a32;                // fp32 [M, K]
   at::Tensor bt32;               // fp32 A^T [K, M], built on first use
-  at::Tensor bt16;               // bf16 A^T in pairs ([Kp/2, M, 2], the VNNI layout), or undefined
+  at::Tensor apack;              // bf16 A^T in pairs, blocked for the dot microkernel (pack_activation), or undefined
   LowBits a_bits{0, false};
   std::once_flag bt32_once;
   const float* at32() {
@@ -1444,6 +1461,192 @@ bool bf16_brgemm_works() {
 }
 #endif
 
+#if defined(TORCH_BQ_AVX512)
+// r[i][j] <- r[j][i] for a 16 x 16 matrix of 32-bit elements, one row per register.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+#endif
+
+// Cache lines of `rows` rows (`stride` bytes apart) of `bytes` bytes each, to
+// be prefetched into L2 a few at a time.
+struct PrefetchPlan {
+  const char* base = nullptr;
+  int64_t stride = 0, rows = 0, row_lines = 0, done = 0;
+  PrefetchPlan() = default;
+  PrefetchPlan(const void* first, int64_t stride_, int64_t rows_, int64_t bytes)
+      : base(static_cast<const char*>(first)), stride(stride_), rows(rows_), row_lines((bytes + 63) / 64) {}
+  int64_t lines() const { return rows * row_lines; }
+  void issue(int64_t count) {
+#if defined(TORCH_BQ_AVX2)
+    for (const int64_t end = std::min(lines(), done + count); done < end; ++done)
+      _mm_prefetch(base + done / row_lines * stride + done % row_lines * 64, _MM_HINT_T1);
+#else
+    (void)count;
+#endif
+  }
+};
+
+#if defined(TORCH_BQ_AVX512_BF16)
+// The bf16 microkernel (vdpbf16ps). A register tile holds C^T[r0 : r0 + NR,
+// m0 : m0 + 16 MV] as NR x MV vectors of 16 A rows: per pair of K elements it
+// loads MV vectors of A pairs and broadcasts one (w[n, 2p], w[n, 2p + 1]) pair
+// per weight row, so each vdpbf16ps adds the two products of one pair into 16
+// output lanes. 6 x 4 = 24 accumulators: enough independent chains to keep
+// two vdpbf16ps per cycle in flight (latency x throughput is about 12 on
+// Zen 4/5 and Sapphire Rapids) with 8 registers left for operands; 10 loads
+// per 24 instructions stay under the load ports' rate.
+//
+// A is packed once per call (pack_activation) in blocks of kDotBlock rows:
+// block b holds rows [kDotBlock b, + width) as [Kp/2][width] uint32 bf16 pairs
+// (width = kDotBlock, the last block's rows rounded up to 16 with zero rows),
+// starting at element kDotBlock * b * Kp/2, so a register tile reads one
+// contiguous stream. Per task (kDotTaskRows weight rows) and K chunk
+// (kDotChunk elements): the bf16 panel (96 x 1024 x 2 = 192 KiB) and one
+// block's chunk of A (512 pairs x 64 rows x 4 = 128 KiB) sit in L2 together
+// with the fp32 C^T tile; the panel is decoded once and read by every A
+// block, each A block by the 16 register tiles of the task. On the Zen 5
+// benchmark machine the tile runs at 510-530 GFLOP/s per core from L2
+// (vdpbf16ps peak about 2 x 64 flops per cycle), i.e. K does not shrink
+// anything: the chunk is a fixed width and the tile covers the task's rows.
+constexpr int64_t kDotRows = 6;     // weight rows per register tile
+constexpr int64_t kDotBlock = 64;   // A rows per packed block: 4 vectors of 16
+constexpr int64_t kDotChunk = 1024;  // K elements per panel chunk on this path
+constexpr int64_t kDotTaskRows = 96;  // W rows per task on this path: 16 register tiles
+
+inline int64_t packed_block_width(int64_t M, int64_t m0) {
+  return std::min(kDotBlock, (M - m0 + 15) / 16 * 16);
+}
+
+// bf16 pairs of A^T (A fp32 [M, K] of bf16-exact values, so the conversion is
+// exact): 16 rows x 32 elements at a time, converted to 16 x 16 pairs and
+// transposed. Rows past M and elements past K are zero.
+at::Tensor pack_activation(const at::Tensor& A, int64_t kp2) {
+  const int64_t M = A.size(0), K = A.size(1);
+  const int64_t blocks = (M + kDotBlock - 1) / kDotBlock;
+  const int64_t total = (blocks - 1) * kDotBlock + packed_block_width(M, (blocks - 1) * kDotBlock);
+  at::Tensor packed = at::empty({total * kp2}, A.options().dtype(at::kInt));
+  const float* a = A.data_ptr<float>();
+  int32_t* dst = packed.data_ptr<int32_t>();
+  constexpr int64_t kPairsPerTask = 512;  // a multiple of 16
+  const int64_t spans = (kp2 + kPairsPerTask - 1) / kPairsPerTask;
+  run_tasks(blocks * spans, [&](int64_t t) {
+    const int64_t m0 = t / spans * kDotBlock, width = packed_block_width(M, m0);
+    const int64_t p0 = t % spans * kPairsPerTask, p1 = std::min(kp2, p0 + kPairsPerTask);
+    int32_t* block = dst + m0 * kp2;
+    for (int64_t g = 0; g < width; g += 16) {
+      for (int64_t p = p0; p < p1; p += 16) {
+        const int64_t k = 2 * p, left = K - k;
+        const __mmask16 lo = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(left, 0)) - 1);
+        const __mmask16 hi = left >= 32 ? __mmask16(0xFFFF) : left <= 16 ? __mmask16(0) : __mmask16((1u << (left - 16)) - 1);
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) {
+          const int64_t m = m0 + g + i;
+          if (m >= M) {
+            r[i] = _mm512_setzero_si512();
+            continue;
+          }
+          const float* row = a + m * K + k;
+          r[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, row + 16), _mm512_maskz_loadu_ps(lo, row));
+        }
+        transpose16(r);
+        const int64_t n = std::min<int64_t>(16, p1 - p);
+        for (int64_t j = 0; j < n; ++j) _mm512_storeu_si512(block + (p + j) * width + g, r[j]);
+      }
+    }
+  });
+  return packed;
+}
+
+// C^T[NR rows (stride ldc), 16 MV columns] (+)= w[NR, 2 kp] x a^T: w bf16 rows of
+// 2 ws elements, a the packed pairs of one block (row stride as). The last
+// vector's columns beyond `tail` are neither read nor written.
+template <int NR, int MV>
+void dot_tile(const uint16_t* w, int64_t ws, const uint32_t* a, int64_t as, int64_t kp, float* c, int64_t ldc,
+              bool accumulate, __mmask16 tail) {
+  __m512 acc[NR][MV];
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < MV; ++v)
+      acc[r][v] = accumulate ? _mm512_maskz_loadu_ps(v == MV - 1 ? tail : __mmask16(0xFFFF), c + r * ldc + 16 * v)
+                             : _mm512_setzero_ps();
+  for (int64_t p = 0; p < kp; ++p) {
+    __m512bh av[MV];
+    for (int v = 0; v < MV; ++v) av[v] = (__m512bh)_mm512_loadu_si512(a + p * as + 16 * v);
+    for (int r = 0; r < NR; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, w + 2 * (r * ws + p), sizeof pair);
+      const __m512bh wb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int v = 0; v < MV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av[v], wb);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < MV; ++v)
+      _mm512_mask_storeu_ps(c + r * ldc + 16 * v, v == MV - 1 ? tail : __mmask16(0xFFFF), acc[r][v]);
+}
+
+using DotTile = void (*)(const uint16_t*, int64_t, const uint32_t*, int64_t, int64_t, float*, int64_t, bool, __mmask16);
+
+template <int NR>
+constexpr DotTile dot_tile_for(int mv) {
+  return mv == 1 ? &dot_tile<NR, 1> : mv == 2 ? &dot_tile<NR, 2> : mv == 3 ? &dot_tile<NR, 3> : &dot_tile<NR, 4>;
+}
+
+inline DotTile dot_tile_for(int nr, int mv) {
+  switch (nr) {
+    case 1: return dot_tile_for<1>(mv);
+    case 2: return dot_tile_for<2>(mv);
+    case 3: return dot_tile_for<3>(mv);
+    case 4: return dot_tile_for<4>(mv);
+    case 5: return dot_tile_for<5>(mv);
+    default: return dot_tile_for<6>(mv);
+  }
+}
+
+// C^T[rows, M] (+)= panel[rows, 2 kp] x A^T[pairs p0 .. p0 + kp) with the packed A.
+// Meanwhile the weight bytes the next panel will decode are prefetched into L2
+// (`next`), spread over the register tiles: short row streams at a stride of K
+// do not train the hardware prefetchers, and a decode that waits on memory
+// would leave the vdpbf16ps units idle.
+void dot_chunk(const uint16_t* panel, int64_t rows, const uint32_t* apack, int64_t kp2, int64_t p0, int64_t kp,
+               int64_t M, float* c, bool accumulate, PrefetchPlan next) {
+  const int64_t calls = (M + kDotBlock - 1) / kDotBlock * ((rows + kDotRows - 1) / kDotRows);
+  const int64_t quota = (next.lines() + calls - 1) / calls;
+  for (int64_t m0 = 0; m0 < M; m0 += kDotBlock) {
+    const int64_t width = packed_block_width(M, m0), cols = std::min(kDotBlock, M - m0);
+    const int mv = static_cast<int>(width / 16);
+    const __mmask16 tail = cols % 16 == 0 ? __mmask16(0xFFFF) : __mmask16((1u << (cols % 16)) - 1);
+    const uint32_t* a = apack + m0 * kp2 + p0 * width;
+    for (int64_t r0 = 0; r0 < rows; r0 += kDotRows) {
+      const int nr = static_cast<int>(std::min(kDotRows, rows - r0));
+      next.issue(quota);
+      dot_tile_for(nr, mv)(panel + 2 * r0 * kp, kp, a, width, kp, c + r0 * M + m0, M, accumulate, tail);
+    }
+  }
+}
+#endif
+
 // The weight side of one task: fills panels with rows [n0, n0 + rows) of W,
 // elements [k0, k1) of each, as fp32 or as bf16 bits, and says the lowest-bit
 // bound of a tile's (decoded) elements.
@@ -1451,6 +1654,11 @@ template <class Fmt, class S>
 struct QuantizedRows {
   const WeightView& w;
   int64_t chunk_align() const { return w.bk; }  // chunks hold whole scale blocks
+  // The stored bytes of elements [k0, k1) of rows [n, n + rows) (k0 a block start).
+  PrefetchPlan bytes_of(int64_t n, int64_t rows, int64_t k0, int64_t k1) const {
+    const int64_t b0 = Fmt::row_bytes(k0);
+    return {w.data + n * w.row_stride + b0, w.row_stride, rows, Fmt::row_bytes(k1) - b0};
+  }
   // Dequantize elements [k0, k1) (k0 a block start) of row n into dst[0, k1 - k0).
   void fp32(int64_t n, int64_t k0, int64_t k1, float* dst) const {
     const uint8_t* row = w.data + n * w.row_stride;
@@ -1497,7 +1705,52 @@ struct QuantizedRows {
     const uint8_t* row = w.data + n * w.row_stride;
     const S* srow = static_cast<const S*>(w.scale) + (n / w.bn) * w.scale_stride;
     const bool daz = denormals_are_zero();
-    for (int64_t b = k0 / w.bk; b * w.bk < k1; ++b) {
+    int64_t b = k0 / w.bk;
+    if constexpr (std::is_same_v<S, uint8_t>) {
+      // Whole blocks in the lean loops below while they apply; the general loop does the rest.
+      if constexpr (std::is_same_v<Fmt, Fp8Format>) {
+#if defined(TORCH_BQ_AVX512_BF16)
+        if (!daz && w.bk % 32 == 0) {
+          // As below: e4m3(b) * 2**-120 from the bits, times 2**(code - 127 + 120), for codes up to 134.
+          const __m512i keep = _mm512_set1_epi32(static_cast<int>(0x87F00000u));
+          for (; (b + 1) * w.bk <= k1 && srow[b] <= 134; ++b) {
+            const __m512 sv = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>((uint32_t(srow[b]) + 120) << 23)));
+            const uint8_t* src = row + b * w.bk;
+            uint16_t* out = dst + (b * w.bk - k0);
+            // 32 at a time through vcvtne2ps2bf16: exact on bf16-exact values; it
+            // flushes subnormal ones, but a panel that holds any is not used (low_bits).
+            for (int64_t j = 0; j < w.bk; j += 32) {
+              __m512 v[2];
+              for (int h = 0; h < 2; ++h) {
+                const __m512i d = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j + 16 * h)));
+                v[h] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(d, 20), keep)), sv);
+              }
+              _mm512_storeu_si512(reinterpret_cast<void*>(out + j), (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
+            }
+          }
+        }
+#endif
+      } else if constexpr (std::is_same_v<Fmt, Fp4Format>) {
+        if (w.bk == 32) {
+          // Per block, the 16 e2m1 values times the scale (fp32 products, as the
+          // reference forms them; exact in bf16 wherever this path's result is
+          // used), then one word lookup per element: nibble pairs of byte j are
+          // words 2j (low nibble) and 2j + 1 (high nibble).
+          const __m512 values = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f,
+                                               -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+          const __m512i nibble = _mm512_set1_epi32(0x0F);
+          for (; (b + 1) * 32 <= k1; ++b) {
+            const __m512 scaled = _mm512_mul_ps(values, _mm512_set1_ps(kTables.e8m0[srow[b]]));
+            const __m512i table = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(scaled), 16)));
+            const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)));
+            const __m512i idx = _mm512_or_si512(_mm512_and_si512(x, nibble),
+                                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(x, 4), nibble), 16));
+            _mm512_storeu_si512(reinterpret_cast<void*>(dst + (b * 32 - k0)), _mm512_permutexvar_epi16(idx, table));
+          }
+        }
+      }
+    }
+    for (; b * w.bk < k1; ++b) {
       const int64_t b0 = b * w.bk, b1 = std::min(k1, b0 + w.bk);
       const float s = scale_value(srow, b);
       bool ok = true;
@@ -1545,6 +1798,9 @@ struct DenseRows {
   const T* data;
   int64_t K;
   int64_t chunk_align() const { return 1; }
+  PrefetchPlan bytes_of(int64_t n, int64_t rows, int64_t k0, int64_t k1) const {
+    return {data + n * K + k0, static_cast<int64_t>(K * sizeof(T)), rows, static_cast<int64_t>((k1 - k0) * sizeof(T))};
+  }
   static uint16_t bf16_of(T v) {
     if constexpr (std::is_same_v<T, float>) {
       return bf16_rne(v);
@@ -1625,7 +1881,37 @@ inline TileBuffers& tile_buffers() {
 inline int64_t chunk_elems(int64_t align) {
   // Whole scale blocks, even (bf16 pairs), near kChunkElems.
   int64_t step = align % 2 == 0 ? align : 2 * align;
-  return std::max<int64_t>(step, kChunkElems / step * step);
+#if defined(TORCH_BQ_AVX512_BF16)
+  constexpr int64_t target = kDotChunk;
+#else
+  constexpr int64_t target = kChunkElems;
+#endif
+  return std::max<int64_t>(step, target / step * step);
+}
+
+// Whether a Rows type can say where its stored bytes are (bytes_of; optional: no prefetch without it).
+template <class R, class = void>
+struct has_bytes_of : std::false_type {};
+template <class R>
+struct has_bytes_of<R, std::void_t<decltype(std::declval<const R&>().bytes_of(0, 0, 0, 0))>> : std::true_type {};
+
+// out[m, r] = c[r, m] for r < rows, m < M (out's rows ldo apart).
+inline void store_transposed(const float* c, int64_t rows, int64_t M, float* out, int64_t ldo) {
+  int64_t r0 = 0;
+#if defined(TORCH_BQ_AVX512)
+  for (; r0 + 16 <= rows; r0 += 16) {
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      const int64_t cols = std::min<int64_t>(16, M - m0);
+      const __mmask16 valid = cols == 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+      __m512i v[16];
+      for (int i = 0; i < 16; ++i) v[i] = _mm512_maskz_loadu_epi32(valid, c + (r0 + i) * M + m0);
+      transpose16(v);
+      for (int64_t j = 0; j < cols; ++j) _mm512_storeu_si512(out + (m0 + j) * ldo + r0, v[j]);
+    }
+  }
+#endif
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t r = r0; r < rows; ++r) out[m * ldo + r] = c[r * M + m];
 }
 
 // out[:, n0:n0+rows] for one task. With bf16_ok (A allows it), each K chunk
@@ -1638,7 +1924,7 @@ void gemm_tile(const Rows& wr, GemmOperands& ops, int64_t n0, int64_t rows, bool
   TileBuffers& buf = tile_buffers();
   buf.c.resize(rows * M);
   float* c = buf.c.data();
-  bool all_bf16 = bf16_ok, any_bf16 = false;
+  bool all_bf16 = bf16_ok;
   for (int64_t k0 = 0; k0 < K; k0 += kc) {
     const int64_t k1 = std::min(K, k0 + kc), width = k1 - k0;
     bool chunk_bf16 = false;
@@ -1656,13 +1942,16 @@ void gemm_tile(const Rows& wr, GemmOperands& ops, int64_t n0, int64_t rows, bool
       }
       chunk_bf16 = !bits.subnormal && ops.a_bits.low_bit + bits.low_bit >= -126;
       if (chunk_bf16) {
-        const auto* bt = reinterpret_cast<const at::BFloat16*>(ops.bt16.data_ptr<at::BFloat16>());
-        for (int64_t m0 = 0; m0 < M; m0 += kTileCols) {
-          const int64_t cols = std::min(kTileCols, M - m0);
-          at::native::cpublas::brgemm(rows, cols, padded, padded, M, M, k0 > 0,
-                                      reinterpret_cast<const at::BFloat16*>(p), bt + k0 * M + 2 * m0, c + m0, true);
+        // The next chunk of these rows, or the first chunk of the next rows.
+        PrefetchPlan next;
+        if constexpr (has_bytes_of<Rows>::value) {
+          if (k1 < K)
+            next = wr.bytes_of(n0, rows, k1, std::min(K, k1 + kc));
+          else if (n0 + rows < N)
+            next = wr.bytes_of(n0 + rows, std::min(rows, N - n0 - rows), 0, std::min(K, kc));
         }
-        any_bf16 = true;
+        dot_chunk(p, rows, reinterpret_cast<const uint32_t*>(ops.apack.data_ptr<int32_t>()), ops.Kp / 2, k0 / 2,
+                  padded / 2, M, c, k0 > 0, next);
       }
     }
 #endif
@@ -1678,9 +1967,7 @@ void gemm_tile(const Rows& wr, GemmOperands& ops, int64_t n0, int64_t rows, bool
       all_bf16 = false;
     }
   }
-  if (any_bf16) at::native::cpublas::brgemm_release(true);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t r = 0; r < rows; ++r) out[m * N + n0 + r] = c[r * M + m];
+  store_transposed(c, rows, M, out + n0, N);
   prefill_tiles[all_bf16 ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -1716,18 +2003,18 @@ void prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t pane
     bf16 = !ops.a_bits.subnormal && bf16_brgemm_works();
     if (bf16) {
       ops.Kp = ops.K + (ops.K & 1);
-      at::Tensor a16 = A.to(at::kBFloat16);  // exact
-      if (ops.Kp != ops.K) a16 = at::constant_pad_nd(a16, {0, 1});
-      // (k, k+1) pairs of one A row are one int32: A^T in pairs is the int32 transpose.
-      at::Tensor pairs = at::empty({ops.Kp / 2, ops.M}, A.options().dtype(at::kInt));
-      pairs.copy_(a16.view(at::kInt).t());
-      ops.bt16 = pairs.view(at::kBFloat16);
+      ops.apack = pack_activation(A, ops.Kp / 2);
     }
 #endif
-    const int64_t tasks = (N + kTileRows - 1) / kTileRows;
+#if defined(TORCH_BQ_AVX512_BF16)
+    constexpr int64_t task_rows = kDotTaskRows;
+#else
+    constexpr int64_t task_rows = kTileRows;
+#endif
+    const int64_t tasks = (N + task_rows - 1) / task_rows;
     float* o = out.data_ptr<float>();
     run_tasks(tasks, [&](int64_t t) {
-      const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
+      const int64_t n0 = t * task_rows, rows = std::min(task_rows, N - n0);
       gemm_tile(wr, ops, n0, rows, bf16, o, N);
     });
     return;
@@ -2164,6 +2451,15 @@ std::vector<int64_t> prefill_counts() {
   return {prefill_tiles[0].load(), prefill_tiles[1].load(), prefill_tiles[2].load()};
 }
 
+// W rows per prefill task (the generic build: the fewest rows of an at::mm panel).
+int64_t prefill_task_rows() {
+#if defined(TORCH_BQ_AVX512_BF16)
+  return kDotTaskRows;
+#else
+  return kTileRows;
+#endif
+}
+
 // The level this library was compiled for (torch_bq/ops/cpu/isa.py: LEVELS).
 std::string isa() { return TORCH_BQ_STR(TORCH_BQ_ISA); }
 
@@ -2224,5 +2520,6 @@ TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
       &torch_bq_cpu::fp4_linear_op);
   m.def("vectorized() -> bool", &torch_bq_cpu::vectorized);
   m.def("prefill_counts() -> int[]", &torch_bq_cpu::prefill_counts);
+  m.def("prefill_task_rows() -> int", &torch_bq_cpu::prefill_task_rows);
   m.def("decode_isa() -> str", &torch_bq_cpu::decode_isa);
 }

@@ -23,7 +23,8 @@ Tuning:
   on which decode kernels the build runs and on the format (``DECODE_MAX_M``).
 * ``PANEL_BYTES``: the fp32 panel size of the prefill path where it runs at::mm
   (the generic build, or MKLDNN switched off); the microkernel path of the
-  other builds uses fixed 64-row tiles (see kernels.cpp).
+  other builds uses fixed tasks of 96 (AVX-512 BF16) or 64 weight rows and K
+  chunks of 1024 (see kernels.cpp's prefill section).
 """
 
 from __future__ import annotations
