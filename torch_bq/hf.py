@@ -55,6 +55,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 from . import formats
+from .checkpoint import from_stored, to_stored
 from .nn.checkpoint import CheckpointError, CheckpointReader, build_module, detect_linear, read_linear
 from .nn.convert import DEFAULT_EXCLUDE, experts_layout, quantized_layout, set_submodule, tied_groups
 from .nn.expert_checkpoint import load_experts
@@ -281,7 +282,8 @@ class _LoadLinear(_Op):
     def convert(self, input_dict, model=None, full_layer_name=None, missing_keys=None, **kwargs):
         prefix = full_layer_name.removesuffix(".weight")
         module = model.get_submodule(prefix)
-        tensors = {prefix + pattern.replace("\\", ""): _first(v) for pattern, v in input_dict.items()}
+        tensors = self.hf_quantizer.natural(
+            {prefix + pattern.replace("\\", ""): _first(v) for pattern, v in input_dict.items()})
         if not isinstance(module, _QUANTIZED_LINEARS):
             if len(tensors) != 1 or f"{prefix}.weight" not in tensors:
                 raise CheckpointError(
@@ -345,6 +347,7 @@ class _LoadExperts(_Op):
                     tensors[f"{prefix}.{e}.{rest[2:]}"] = t
             else:
                 tensors[f"{prefix}.{rest}"] = _first(values)
+        tensors = quantizer.natural(tensors)
         if isinstance(skeleton, FP8Experts):
             options["block"] = skeleton.block
         cls = type(skeleton)
@@ -458,6 +461,11 @@ class TorchBQQuantizer(HfQuantizer):
         self._plan: dict[str, dict] = {}  # module name -> what it becomes
         self._filled: set[str] = set()
         self._quantized_parts: dict[str, set] = {}
+        self._unit_axis: set[str] = set()  # checkpoint tensors stored with torch_bq's unit axis
+
+    def natural(self, tensors: dict) -> dict:
+        """Checkpoint tensors as transformers hands them over (as stored) -> natural shapes."""
+        return {k: from_stored(k, t) if k in self._unit_axis else t for k, t in tensors.items()}
 
     # -- environment ---------------------------------------------------------------
 
@@ -503,6 +511,8 @@ class TorchBQQuantizer(HfQuantizer):
                 reader.close()
                 reader = None
         try:
+            if reader is not None:
+                self._unit_axis = {k for k in reader.keys() if reader.unit_axis(k)}
             swaps: list[tuple[str, nn.Module]] = []
             for name, module in model.named_modules():
                 if not name or any(name.startswith(p + ".") for p, _ in swaps):
@@ -698,6 +708,19 @@ class TorchBQQuantizer(HfQuantizer):
         # (per-expert splits) do not apply to quantized experts.
         model._weight_conversions = []
         return model
+
+    # -- save_pretrained -------------------------------------------------------------------
+
+    def get_state_dict_and_metadata(self, model):
+        """What ``save_pretrained`` writes: the state dict in torch_bq's stored layout and its records.
+
+        The records (and the codes' trailing unit axis, :mod:`torch_bq.checkpoint.stored`) are
+        what ``convert_checkpoint`` and ``save_quantized`` write; transformers puts the same
+        ``__metadata__`` into every shard.
+        """
+        from .nn.save import layer_records
+
+        return to_stored(model.state_dict(), layer_records(model))
 
     # -- capabilities ---------------------------------------------------------------------
 

@@ -35,11 +35,11 @@ from ..checkpoint import (
     MissingTensorError,
     Source,
     detect_linear,
-    encode_records,
     open_checkpoint,
     quantization_config,
     read_json,
     read_linear,
+    to_stored,
 )
 from .linear import BF16Linear, FP4Linear, FP8Linear, build_module, module_class_for
 
@@ -821,7 +821,8 @@ def convert_checkpoint(
                         prefix = name.rpartition(".")[0]
                         out[name], out[f"{name}_scale"] = _quantize_stacked(
                             t, plan[name] == "experts_transposed", format, block, scale_dtype, rounding, name)
-                        if name.endswith(".gate_up_proj"):
+                        # in every shard holding either projection: its codes are stored per its record
+                        if prefix not in records:
                             records[prefix] = LayerRecord(
                                 format, tuple(block) if format == "fp8" else (1, 32),
                                 scale_dtype if format == "fp8" else torch.float8_e8m0fnu,
@@ -850,8 +851,10 @@ def convert_checkpoint(
                         summary["copied"].append(name)
                     del t
                     bar.step(name)
-                _save_shard(out, stage.path / out_name, {"format": "pt", **encode_records(records)})
                 summary["bytes_out"] += sum(v.numel() * v.element_size() for v in out.values())
+                stored, meta = to_stored(out, records)
+                _save_shard(stored, stage.path / out_name, {"format": "pt", **meta})
+                del stored
                 weight_map.update({k: out_name for k in out})
                 summary["files"].append(out_name)
                 del out
