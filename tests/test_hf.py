@@ -7,11 +7,13 @@ quantized on load), from transformers configs; nothing is downloaded.
 """
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -310,15 +312,81 @@ def test_a_quantized_directory_without_quantization_config_loads_from_its_tensor
     _assert_same_state(model, reference)
 
 
-@pytest.mark.xfail(strict=True, reason="transformers 5.23 only warns on an unknown quant_method and then casts fp8 "
-                   "codes to bf16 values; nothing in a torch_bq directory can make plain transformers refuse it "
-                   "(see docs/huggingface.md)")
-def test_plain_transformers_refuses_a_torch_bq_directory(ckpt, tmp_path):
+# Loads each directory with transformers alone (no torch_bq import), printing a marker, transformers'
+# own load report (logged to stderr) and what from_pretrained raised.
+_PLAIN_LOAD = """
+import sys
+from transformers import AutoModelForCausalLM
+for path in sys.argv[1:]:
+    print("=== " + path, file=sys.stderr, flush=True)
+    try:
+        AutoModelForCausalLM.from_pretrained(path)
+        print("LOADED", file=sys.stderr, flush=True)
+    except Exception as e:
+        print("RAISED " + type(e).__name__ + ": " + str(e), file=sys.stderr, flush=True)
+"""
+
+
+def test_plain_transformers_refuses_every_torch_bq_directory(ckpt, tmp_path):
+    # transformers 5.23 only warns about an unknown quant_method, and casts codes of another dtype to
+    # bf16; what it refuses is a checkpoint tensor whose shape is not the parameter's. torch_bq's layout
+    # stores every fp8/fp4 code tensor with a trailing unit axis for that (torch_bq.checkpoint.stored).
+    dirs = {}
     model = _load(ckpt("bf16", "llama"), format="fp8")
-    model.save_pretrained(tmp_path / "saved")
-    code = ("from transformers import AutoModelForCausalLM\n"
-            f"AutoModelForCausalLM.from_pretrained({str(tmp_path / 'saved')!r})\n")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode != 0
+    model.save_pretrained(dirs.setdefault("llama fp8 save_pretrained", tmp_path / "saved_llama"))
+    for family, fmt in (("llama", "fp8"), ("llama", "fp4"), ("gpt_oss", "fp4")):
+        convert_checkpoint(ckpt("bf16", family), dirs.setdefault(f"{family} {fmt} convert", tmp_path / f"{family}_{fmt}"),
+                           fmt, progress=None)
+    _load(ckpt("q", "deepseek_v3")).save_pretrained(dirs.setdefault("deepseek_v3 fp8 save_pretrained",
+                                                                    tmp_path / "saved_deepseek"))
+    # the code tensors each directory must be refused on: (family, checkpoint key)
+    codes = {"llama fp8 save_pretrained": ("llama", "model.layers.0.mlp.down_proj.weight"),
+             "llama fp8 convert": ("llama", "model.layers.1.self_attn.q_proj.weight"),
+             "llama fp4 convert": ("llama", "model.layers.0.mlp.up_proj.weight"),
+             "gpt_oss fp4 convert": ("gpt_oss", "model.layers.0.mlp.experts.gate_up_proj"),
+             "deepseek_v3 fp8 save_pretrained": ("deepseek_v3", "model.layers.1.mlp.experts.gate_up_proj")}
+    out = subprocess.run([sys.executable, "-c", _PLAIN_LOAD, *map(str, dirs.values())], capture_output=True,
+                         text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sections = dict(part.split("\n", 1) for part in out.stderr.split("=== ")[1:])
+    for what, path in dirs.items():
+        log = sections[str(path)]
+        assert "RAISED RuntimeError: You set `ignore_mismatched_sizes` to `False`" in log, (what, log[-2000:])
+        family, key = codes[what]
+        with safe_open(str(next(path.glob("*.safetensors"))), "pt") as f:
+            stored = f.get_slice(key).get_shape() if key in f.keys() else None
+        dense = list(fx.float_model(family).state_dict()[key].shape)
+        assert stored is not None and stored[-1] == 1 and len(stored) == len(dense) + 1, (what, stored)
+        # the load report names the quantized tensor and both shapes (layer indices may be folded: {0, 1})
+        leaf = key.split(".", 3)[3]
+        row = (rf"{re.escape(leaf)}\s*\|\s*MISMATCH\s*\|\s*Reinit due to size mismatch - ckpt: "
+               rf"torch\.Size\({re.escape(str(stored))}\) vs model:torch\.Size\({re.escape(str(dense))}\)")
+        assert re.search(row, log), (what, row, log[-3000:])
+
+
+@pytest.mark.parametrize("family, fmt", [("llama", "fp8"), ("gpt_oss", "fp4")])
+def test_a_torch_bq_directory_written_before_the_unit_axis_loads_bit_exactly(ckpt, tmp_path, family, fmt):
+    from torch_bq.checkpoint import RECORD_KEY, CheckpointReader, decode_records
+
+    new = tmp_path / "new"
+    convert_checkpoint(ckpt("bf16", family), new, fmt, progress=None)
+    # the same directory as torch_bq wrote it with record version 1: natural shapes, no unit_axis
+    old = tmp_path / "old"
+    old.mkdir()
+    for f in new.iterdir():
+        if f.suffix != ".safetensors":
+            (old / f.name).write_bytes(f.read_bytes())
+            continue
+        with safe_open(str(f), "pt") as h:
+            layers = {p: {k: v for k, v in r.to_json().items() if k != "unit_axis"}
+                      for p, r in decode_records(h.metadata(), f.name).items()}
+        with CheckpointReader(f) as reader:
+            natural = {k: reader.get(k) for k in reader.keys()}
+        assert any(load_file(f)[k].dim() == v.dim() + 1 for k, v in natural.items())
+        save_file(natural, old / f.name, metadata={"format": "pt", RECORD_KEY: json.dumps({"version": 1, "layers": layers})})
+    loaded = AutoModelForCausalLM.from_pretrained(new)
+    _assert_same_state(AutoModelForCausalLM.from_pretrained(old), loaded)
+    _assert_same_state(_load(old), loaded)
 
 
 def test_modelopt_nvfp4_checkpoint_loads_into_nvfp4_linears(tmp_path):
