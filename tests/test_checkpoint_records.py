@@ -116,7 +116,7 @@ def test_records_are_in_the_shard_metadata_and_config(tmp_path):
 
 
 def test_config_json_records_a_layer_when_shards_carry_none(tmp_path):
-    # hf's save_pretrained writes one metadata dict per shard, so its layers are listed in config.json
+    # torch_bq.hf's save_pretrained wrote no shard records before record version 2; config.json lists its layers
     m = FP8Linear.from_linear(torch.nn.Linear(100, 100), block=(96, 96))
     (tmp_path / "d").mkdir()
     save_file({"p.weight": m.weight, "p.weight_scale": m.weight_scale}, tmp_path / "d" / "model.safetensors")

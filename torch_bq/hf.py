@@ -28,7 +28,11 @@ transformers' loading steps:
    quantizer and install the result; dense tensors load as transformers loads them;
 3. ``_process_model_after_weight_loading`` refuses a model with a torch_bq module
    the checkpoint did not fill, and records every quantized module in
-   ``model.config.quantization_config.layers`` so ``save_pretrained`` writes it.
+   ``model.config.quantization_config.layers`` so ``save_pretrained`` writes it;
+4. ``save_pretrained`` writes the state dict through ``get_state_dict_and_metadata``
+   in torch_bq's own layout (shard records, codes with a trailing unit axis, see
+   :mod:`torch_bq.checkpoint.stored`), which transformers without this module refuses
+   (a size mismatch) instead of reading fp8 codes as bf16 values.
 
 transformers is imported by this module only (the ``hf`` extra: ``pip install torch_bq[hf]``).
 """

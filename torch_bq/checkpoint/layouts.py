@@ -15,6 +15,8 @@ layout              tensors                                               format
 ==================  ====================================================  =====================
 
 plus ``{p}.bias`` (``{p}_bias`` for gpt-oss) when present. All scales are *multiplied*.
+Shapes here are natural: the trailing unit axis torch_bq's own files store codes
+with is removed by the reader (:mod:`.stored`).
 
 **Recorded, never guessed.** The format and block come from, in order: the
 record torch_bq wrote into the shard's ``__metadata__``; ``config.json``'s

@@ -749,7 +749,10 @@ def convert_checkpoint(
     quantizers); stacked float experts (transformers' fused ``{p}.gate_up_proj`` /
     ``{p}.down_proj``, 3-D, in either orientation) become torch_bq's stacked
     ``[E, N, K]`` data + ``{p}.gate_up_proj_scale`` / ``{p}.down_proj_scale``, quantized
-    per expert; every other tensor is copied unchanged. Output shard ``i`` holds
+    per expert; every other tensor is copied unchanged. The codes are stored with
+    the trailing unit axis their records name (``[N, K, 1]``, ``[E, N, K, 1]``; see
+    :mod:`torch_bq.checkpoint.stored`), so that no reader unaware of torch_bq takes
+    them for the dense weights; torch_bq's loaders read them in natural shapes. Output shard ``i`` holds
     the converted tensors of input shard ``i``, so at most one input shard's
     worth of quantized tensors plus one float tensor is in memory. ``dst`` gets
     ``model-XXXXX-of-XXXXX.safetensors`` files, ``model.safetensors.index.json``,
