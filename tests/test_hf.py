@@ -334,33 +334,41 @@ def test_plain_transformers_refuses_every_torch_bq_directory(ckpt, tmp_path):
     dirs = {}
     model = _load(ckpt("bf16", "llama"), format="fp8")
     model.save_pretrained(dirs.setdefault("llama fp8 save_pretrained", tmp_path / "saved_llama"))
-    for family, fmt in (("llama", "fp8"), ("llama", "fp4"), ("gpt_oss", "fp4")):
+    for family, fmt in (("llama", "fp8"), ("llama", "fp4"), ("gpt_oss", "fp4"), ("deepseek_v3", "fp8")):
         convert_checkpoint(ckpt("bf16", family), dirs.setdefault(f"{family} {fmt} convert", tmp_path / f"{family}_{fmt}"),
                            fmt, progress=None)
     _load(ckpt("q", "deepseek_v3")).save_pretrained(dirs.setdefault("deepseek_v3 fp8 save_pretrained",
                                                                     tmp_path / "saved_deepseek"))
-    # the code tensors each directory must be refused on: (family, checkpoint key)
-    codes = {"llama fp8 save_pretrained": ("llama", "model.layers.0.mlp.down_proj.weight"),
-             "llama fp8 convert": ("llama", "model.layers.1.self_attn.q_proj.weight"),
-             "llama fp4 convert": ("llama", "model.layers.0.mlp.up_proj.weight"),
-             "gpt_oss fp4 convert": ("gpt_oss", "model.layers.0.mlp.experts.gate_up_proj"),
-             "deepseek_v3 fp8 save_pretrained": ("deepseek_v3", "model.layers.1.mlp.experts.gate_up_proj")}
+    # the parameter each directory must be refused on and the stored code tensor behind it:
+    # (family, parameter, checkpoint key). transformers' save_pretrained of DeepSeek-V3 writes
+    # per-expert names, which convert quantizes one by one and transformers merges on load.
+    codes = {"llama fp8 save_pretrained": ("llama", "model.layers.0.mlp.down_proj.weight", None),
+             "llama fp8 convert": ("llama", "model.layers.1.self_attn.q_proj.weight", None),
+             "llama fp4 convert": ("llama", "model.layers.0.mlp.up_proj.weight", None),
+             "gpt_oss fp4 convert": ("gpt_oss", "model.layers.0.mlp.experts.gate_up_proj", None),
+             "deepseek_v3 fp8 convert": ("deepseek_v3", "model.layers.1.mlp.experts.gate_up_proj",
+                                         "model.layers.1.mlp.experts.2.up_proj.weight"),
+             "deepseek_v3 fp8 save_pretrained": ("deepseek_v3", "model.layers.1.mlp.experts.gate_up_proj", None)}
     out = subprocess.run([sys.executable, "-c", _PLAIN_LOAD, *map(str, dirs.values())], capture_output=True,
                          text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     sections = dict(part.split("\n", 1) for part in out.stderr.split("=== ")[1:])
+    shapes = {f: {k: list(v.shape) for k, v in fx.float_model(f).state_dict().items()}
+              for f in {family for family, _, _ in codes.values()}}
     for what, path in dirs.items():
         log = sections[str(path)]
         assert "RAISED RuntimeError: You set `ignore_mismatched_sizes` to `False`" in log, (what, log[-2000:])
-        family, key = codes[what]
+        family, key, stored_key = codes[what]
+        dense = shapes[family][key]
         with safe_open(str(next(path.glob("*.safetensors"))), "pt") as f:
-            stored = f.get_slice(key).get_shape() if key in f.keys() else None
-        dense = list(fx.float_model(family).state_dict()[key].shape)
-        assert stored is not None and stored[-1] == 1 and len(stored) == len(dense) + 1, (what, stored)
+            stored = f.get_slice(stored_key or key).get_shape()
+        assert len(stored) == len(dense if stored_key is None else dense[1:]) + 1 and stored[-1] == 1, (what, stored)
+        # what transformers compares with the parameter: the stored tensor, or (fp8) the per-expert ones merged
+        compared = stored if stored_key is None else [*dense, 1]
         # the load report names the quantized tensor and both shapes (layer indices may be folded: {0, 1})
         leaf = key.split(".", 3)[3]
         row = (rf"{re.escape(leaf)}\s*\|\s*MISMATCH\s*\|\s*Reinit due to size mismatch - ckpt: "
-               rf"torch\.Size\({re.escape(str(stored))}\) vs model:torch\.Size\({re.escape(str(dense))}\)")
+               rf"torch\.Size\({re.escape(str(compared))}\) vs model:torch\.Size\({re.escape(str(dense))}\)")
         assert re.search(row, log), (what, row, log[-3000:])
 
 
