@@ -463,6 +463,10 @@ def test_a_recorded_unit_axis_must_be_there_and_be_recorded_right(tmp_path):
                      {"version": 2, "layers": {"p": bad}})
         with pytest.raises(CheckpointError, match=match):
             FP8Linear.from_checkpoint(path, "p")
+    # a torch_bq file rewritten without its records: the error says what the trailing 1 may be
+    path = write("lost.safetensors", {"p.weight": d[..., None], "p.weight_scale": s}, {"version": 2, "layers": {}})
+    with pytest.raises(CheckpointError, match=r"ending in a unit axis, it is torch_bq codes whose file lost its"):
+        FP8Linear.from_checkpoint(path, "p")
     # and a version this torch_bq does not know yet is refused, not guessed at
     path = write("v3.safetensors", {"p.weight": d, "p.weight_scale": s}, {"version": 3, "layers": {}})
     with pytest.raises(CheckpointError, match=r"record version 3 is not one this torch_bq reads \(<= 2\)"):
