@@ -61,12 +61,12 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from . import formats
 from .checkpoint import from_stored, to_stored
 from .nn.checkpoint import CheckpointError, CheckpointReader, build_module, detect_linear, read_linear
-from .nn.convert import DEFAULT_EXCLUDE, experts_layout, quantized_layout, set_submodule, tied_groups
+from .nn.selection import DEFAULT_EXCLUDE, experts_layout, quantized_layout, set_submodule, tied_groups
 from .nn.expert_checkpoint import load_experts
 from .nn.experts import FP4Experts, FP8Experts, QuantizedExperts, experts_spec
 from .nn.linear import BF16Linear, FP4Linear, FP8Linear, NVFP4Linear
 
-__all__ = ["QUANT_METHOD", "TorchBQConfig", "TorchBQQuantizer", "model_from_config"]
+__all__ = ["QUANT_METHOD", "TorchBQConfig", "TorchBQQuantizer", "attach_quantizer", "check_attachable", "model_from_config"]
 
 QUANT_METHOD = "torch_bq"
 
@@ -688,25 +688,7 @@ class TorchBQQuantizer(HfQuantizer):
                 f"the checkpoint did not fill {len(unfilled)} torch_bq modules (left as uninitialised memory by "
                 f"transformers' loader, so refused): {unfilled[:8]}{'...' if len(unfilled) > 8 else ''}"
             )
-        config = self.quantization_config
-        config.layers = {}
-        seen_formats = []
-        for name, module in model.named_modules():
-            record = _layer_record(module)
-            if record is not None:
-                config.layers[name] = record
-                seen_formats.append(record["format"])
-        if config.format is None and seen_formats:
-            config.format = max(set(seen_formats), key=seen_formats.count)
-        if config.format == "fp8" and config.block is None:
-            blocks = [tuple(r["block"]) for r in config.layers.values() if r["format"] == "fp8"]
-            if blocks:
-                config.block = list(max(set(blocks), key=blocks.count))
-                scales = [r["scale_dtype"] for r in config.layers.values() if r["format"] == "fp8"]
-                config.scale_dtype = max(set(scales), key=scales.count)
-        config.modules_to_not_convert = sorted(
-            name for name, m in model.named_modules() if type(m) is nn.Linear or isinstance(m, nn.Embedding)
-        ) or None
+        _record_layers(self.quantization_config, model)
         # save_pretrained writes the in-memory names (torch_bq modules' own), which this
         # quantizer and torch_bq's loaders read back; the model's checkpoint renamings
         # (per-expert splits) do not apply to quantized experts.
@@ -740,6 +722,31 @@ class TorchBQQuantizer(HfQuantizer):
         return True
 
 
+
+def _record_layers(config: TorchBQConfig, model: nn.Module) -> None:
+    """Fill ``config`` from the torch_bq modules ``model`` holds: what ``save_pretrained`` writes."""
+    config.layers = {}
+    seen_formats = []
+    for name, module in model.named_modules():
+        record = _layer_record(module)
+        if record is not None:
+            config.layers[name] = record
+            seen_formats.append(record["format"])
+    if config.format is None and len(set(seen_formats)) == 1:
+        # one format for the whole model only when every layer has it (a reload checks
+        # each layer against it); a mixed model says so per layer only
+        config.format = seen_formats[0]
+    if config.format == "fp8" and config.block is None:
+        blocks = [tuple(r["block"]) for r in config.layers.values() if r["format"] == "fp8"]
+        if blocks:
+            config.block = list(max(set(blocks), key=blocks.count))
+            scales = [r["scale_dtype"] for r in config.layers.values() if r["format"] == "fp8"]
+            config.scale_dtype = max(set(scales), key=scales.count)
+    config.modules_to_not_convert = sorted(
+        name for name, m in model.named_modules() if type(m) is nn.Linear or isinstance(m, nn.Embedding)
+    ) or None
+
+
 def _layer_record(module: nn.Module) -> Optional[dict]:
     if isinstance(module, FP8Linear):
         return {"format": "fp8", "block": list(module.block), "scale_dtype": _dtype_name(module.weight_scale.dtype)}
@@ -754,6 +761,63 @@ def _layer_record(module: nn.Module) -> Optional[dict]:
         return {"format": "fp4", "block": [1, 32], "scale_dtype": "float8_e8m0fnu",
                 "experts": module.num_experts, "activation": module.activation}
     return None
+
+
+# =========================================================================== #
+# models quantized outside from_pretrained (quantize_, load_quantized_)
+# =========================================================================== #
+
+
+def check_attachable(model: nn.Module) -> None:
+    """Raise ``ValueError`` if ``model`` carries a transformers quantizer other than torch_bq's.
+
+    ``save_pretrained`` writes what that quantizer says; torch_bq modules swapped in
+    beside its own would be saved in its layout, which it cannot read back.
+    """
+    current = getattr(model, "hf_quantizer", None)
+    if current is not None and not isinstance(current, TorchBQQuantizer):
+        method = getattr(current.quantization_config, "quant_method", None)
+        raise ValueError(
+            f"the model was loaded with transformers' {type(current).__name__} (quant_method "
+            f"{getattr(method, 'value', method)!r}); torch_bq modules added to it would be saved in that "
+            f"quantizer's layout. Load it in float (or with torch_bq.hf.TorchBQConfig) first"
+        )
+
+
+def attach_quantizer(model: nn.Module, config: TorchBQConfig) -> Optional[TorchBQQuantizer]:
+    """Make a transformers model that torch_bq quantized in place save as if ``from_pretrained`` had.
+
+    :func:`torch_bq.nn.quantize_` and :func:`torch_bq.nn.load_quantized_` call this on a
+    ``PreTrainedModel``: without a quantizer, transformers' ``save_pretrained`` would
+    write fp8/fp4 codes in their natural shapes with no ``quantization_config``, and
+    transformers would later read them back as bf16 values. With it, the model is what
+    ``from_pretrained(..., quantization_config=config)`` returns: ``model.hf_quantizer``
+    is a :class:`TorchBQQuantizer`, ``model.config.quantization_config`` is ``config``
+    with every torch_bq module recorded in ``layers`` (format, block, scale dtype) and
+    the float ones in ``modules_to_not_convert``, and ``save_pretrained`` writes torch_bq's
+    stored layout (records, codes with a unit axis), which ``from_pretrained`` reloads
+    bit-exactly with this module imported and plain transformers refuses.
+
+    A model that already has torch_bq's quantizer keeps it, its records redone from
+    the modules; ``config`` is then unused. Returns the quantizer, or ``None`` when the
+    model holds no torch_bq quantized module (nothing to protect: e.g. ``quantize_(..., "bf16")``).
+    """
+    check_attachable(model)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        if not any(_layer_record(m) is not None for m in model.modules()):
+            return None
+        quantizer = TorchBQQuantizer(config, pre_quantized=True)
+    else:
+        # re-derived from the modules: a second quantize_ may have changed them
+        quantizer.quantization_config.format = quantizer.quantization_config.block = None
+        quantizer.quantization_config.scale_dtype = None
+    model.hf_quantizer = quantizer
+    # what transformers' preprocess_model sets on a model it quantizes (.half()/.float() refuse it)
+    model.is_quantized = True
+    model.quantization_method = QUANT_METHOD
+    quantizer.postprocess_model(model)  # config.quantization_config, then _process_model_after_weight_loading
+    return quantizer
 
 
 def model_from_config(config, *args, dtype: Optional[torch.dtype] = None, **kwargs) -> nn.Module:

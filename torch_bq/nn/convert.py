@@ -42,6 +42,7 @@ from ..checkpoint import (
     to_stored,
 )
 from .linear import BF16Linear, FP4Linear, FP8Linear, build_module, module_class_for
+from .selection import DEFAULT_EXCLUDE, experts_layout, quantized_layout, set_submodule, tied_groups
 
 __all__ = [
     "QuantizeReport",
@@ -55,9 +56,6 @@ __all__ = [
 
 _TORCH_BQ_MODULES = (FP8Linear, FP4Linear, BF16Linear)
 
-#: tensors ``convert_checkpoint`` leaves in high precision unless told otherwise
-DEFAULT_EXCLUDE = r"(embed|lm_head|norm|router|\.gate\.weight$)"
-
 
 def _state_bytes(module: nn.Module) -> int:
     # Tensors held, not state_dict entries: an FP8Linear's recorded block (_extra_state) is not weight bytes.
@@ -65,27 +63,9 @@ def _state_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in held)
 
 
-def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    """Replace the submodule at dotted ``name`` of ``model`` by ``module``."""
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
-
-
 # =========================================================================== #
-# shared: tied tensors, experts, progress
+# shared: bytes, progress, transformers models
 # =========================================================================== #
-
-
-def tied_groups(model: nn.Module) -> list[list[str]]:
-    """Names of parameters/buffers that are one tensor under several names (tied embeddings), per tensor."""
-    groups: dict[int, list[str]] = {}
-    for name, t in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(t), []).append(name)
-    for name, t in model.named_buffers(remove_duplicate=False):
-        if t is not None:
-            groups.setdefault(id(t), []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
 
 
 def _unique_bytes(tensors) -> int:
@@ -107,6 +87,20 @@ def _progress(progress: Optional[bool], total: int, what: str) -> _Progress:
     if progress is None:
         progress = total >= 32 and bool(getattr(sys.stderr, "isatty", lambda: False)())
     return _Progress(sys.stderr if progress else None, max(total, 1), what)
+
+
+def _transformers_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel`` (without importing transformers:
+    it is the optional ``hf`` extra, and no model can be one unless transformers is loaded)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def _attach_hf_quantizer(model: nn.Module, **config) -> None:
+    """Give a transformers model torch_bq's quantizer (see :func:`torch_bq.hf.attach_quantizer`)."""
+    from .. import hf
+
+    hf.attach_quantizer(model, hf.TorchBQConfig(**config))
 
 
 def _excluded(name: str, exclude: Optional[re.Pattern]) -> bool:
@@ -208,10 +202,22 @@ def quantize_(
     the input one) is skipped unless ``filter_fn`` selects it, so that ties stay
     tied. Every selected module is quantized before the first one is swapped in,
     so an error (a non-finite weight, a layer on ``meta``) leaves the model unchanged.
+
+    A transformers ``PreTrainedModel`` also gets torch_bq's transformers quantizer
+    (:func:`torch_bq.hf.attach_quantizer`): its ``save_pretrained`` then writes a
+    ``quantization_config`` and torch_bq's stored layout, exactly as if the model had
+    been loaded with ``from_pretrained(..., quantization_config=TorchBQConfig(format=...))``,
+    so the directory reloads bit-exactly and plain transformers refuses it. A model
+    carrying another transformers quantizer is refused (``ValueError``).
     """
     from .experts import experts_spec
 
     cls = module_class_for(format)
+    hf_model = _transformers_model(model)
+    if hf_model:
+        from .. import hf
+
+        hf.check_attachable(model)  # before anything changes
     if format in ("bf16", "fp32w"):
         options.setdefault("keep_fp32", format == "fp32w")
     exclude_re = _compile_regex(exclude, "exclude")
@@ -261,6 +267,10 @@ def quantize_(
             report.experts.append(name)
     report.bytes_before = before
     report.bytes_after = _unique_bytes([t for _, m, _ in replacements for t in m.buffers()])
+    if hf_model and replacements:
+        _attach_hf_quantizer(
+            model, exclude=exclude if filter_fn is None else None, quantize_experts=experts,
+            **{k: options[k] for k in ("rounding", "act_quant", "act_peak") if k in options})
     return report
 
 
@@ -314,23 +324,6 @@ def _refuse_while_unfilled(module: nn.Module, name: str) -> None:
         handle.remove()  # filled since: the module works as usual from now on
 
     handle = module.register_forward_pre_hook(hook)
-
-
-def experts_layout(reader: CheckpointReader, prefix: str):
-    """``(layout, format, options)`` of the experts stored under ``prefix``, or ``None`` if not quantized experts."""
-    from .expert_checkpoint import stacked_experts_format
-
-    if f"{prefix}.gate_up_proj_blocks" in reader:
-        return "gpt-oss", "fp4", {}
-    fmt = stacked_experts_format(reader, prefix)
-    if fmt is not None:
-        return "torch_bq", fmt, {}
-    for projections in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
-        gate = f"{prefix}.0.{projections[0]}"
-        layout = quantized_layout(reader, gate)
-        if layout is not None:
-            return "deepseek", layout.format, {"projections": projections}
-    return None
 
 
 def _load_experts_module(reader: CheckpointReader, name: str, module: nn.Module, spec, found, device,
@@ -406,9 +399,17 @@ def load_quantized_(
 
     Everything is read and validated before the model is touched; on any
     error (missing tensors, bad shapes, NaN codes) the model is unchanged.
+    A transformers ``PreTrainedModel`` that receives quantized modules gets
+    torch_bq's transformers quantizer, as in :func:`quantize_`, so that its
+    ``save_pretrained`` writes a directory transformers cannot misread.
     """
     from .experts import QuantizedExperts, experts_spec
 
+    hf_model = _transformers_model(model)
+    if hf_model:
+        from .. import hf
+
+        hf.check_attachable(model)  # before anything changes
     with open_checkpoint(source) as reader:
         loaded: dict[str, nn.Module] = {}
         report = LoadReport()
@@ -490,6 +491,8 @@ def load_quantized_(
     _retie(model, tie_of, dense)
     if not strict:
         _mark_unfilled(model, report)
+    if hf_model and loaded:
+        _attach_hf_quantizer(model, **{k: v for k, v in (("act_quant", act_quant), ("act_peak", act_peak)) if v is not None})
     return report
 
 
@@ -528,14 +531,6 @@ def _mark_unfilled(model: nn.Module, report: LoadReport) -> None:
             stacklevel=3,
         )
 
-
-def quantized_layout(reader: CheckpointReader, prefix: str):
-    """The layout of ``prefix`` if the checkpoint holds it quantized, else ``None``."""
-    names = [prefix + s for s in SCALE_SUFFIXES] + [f"{prefix}_blocks"]
-    if not any(n in reader for n in names):
-        return None
-    layout = detect_linear(reader, prefix)
-    return layout if layout.format in ("fp8", "fp4", "nvfp4") else None
 
 # =========================================================================== #
 # convert_checkpoint
