@@ -28,8 +28,11 @@ from torch_bq.nn import (  # noqa: E402
     FP8Experts,
     FP8Linear,
     convert_checkpoint,
+    empty_model,
+    load_quantized_,
     quantize_,
 )
+from torch_bq.nn.selection import DEFAULT_EXCLUDE  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 PREQUANTIZED = {"deepseek_v3": fx.deepseek_fp8, "qwen3": fx.qwen3_fp8, "gpt_oss": fx.gpt_oss_mxfp4}
@@ -312,6 +315,72 @@ def test_a_quantized_directory_without_quantization_config_loads_from_its_tensor
     _assert_same_state(model, reference)
 
 
+# --------------------------------------------------------------------------- #
+# models quantized in place (quantize_, load_quantized_), saved by transformers
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("family, fmt", [("llama", "fp8"), ("gpt_oss", "fp4"), ("deepseek_v3", "fp8")])
+def test_quantize_on_a_plainly_loaded_model_saves_what_from_pretrained_reloads(ckpt, family, fmt, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(ckpt("bf16", family))  # no quantization_config: no quantizer
+    assert getattr(model, "hf_quantizer", None) is None
+    report = quantize_(model, fmt)
+    assert isinstance(model.hf_quantizer, tbh.TorchBQQuantizer)
+    model.save_pretrained(tmp_path / "saved")
+    qc = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "torch_bq" and qc["format"] == fmt
+    assert qc["exclude"] == DEFAULT_EXCLUDE and qc["modules_to_not_convert"] == ["lm_head", "model.embed_tokens"]
+    assert sorted(qc["layers"]) == sorted(report.converted)
+    if fmt == "fp8":
+        assert (qc["block"], qc["scale_dtype"]) == ([32, 32], "float8_e8m0fnu")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    _assert_same_state(model, reloaded)
+    # the same directory as quantizing on load writes
+    on_load = _load(ckpt("bf16", family), format=fmt)
+    on_load.save_pretrained(tmp_path / "on_load")
+    assert json.loads((tmp_path / "on_load" / "config.json").read_text())["quantization_config"]["layers"] == qc["layers"]
+    _assert_same_state(on_load, reloaded)
+
+
+def test_a_second_quantize_with_another_format_is_recorded_per_layer(ckpt, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(ckpt("bf16", "llama"))
+    quantize_(model, "fp8")
+    quantize_(model, "fp4", filter_fn=lambda m, name: name == "lm_head")
+    assert isinstance(model.lm_head, FP4Linear)
+    model.save_pretrained(tmp_path / "saved")
+    qc = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
+    # one model-wide format would make the reload refuse the layers of the other one
+    assert qc["format"] is None and qc["layers"]["lm_head"]["format"] == "fp4"
+    assert qc["layers"]["model.layers.0.mlp.up_proj"]["format"] == "fp8"
+    _assert_same_state(model, AutoModelForCausalLM.from_pretrained(tmp_path / "saved"))
+
+
+def test_load_quantized_into_a_skeleton_saves_what_from_pretrained_reloads(ckpt, tmp_path):
+    convert_checkpoint(ckpt("bf16", "gpt_oss"), tmp_path / "q", "fp4", progress=None)
+    skeleton = empty_model(fx.config("gpt_oss"), dtype=torch.bfloat16)
+    load_quantized_(skeleton, tmp_path / "q")
+    skeleton.save_pretrained(tmp_path / "saved")
+    qc = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "torch_bq" and qc["format"] == "fp4"
+    _assert_same_state(skeleton, AutoModelForCausalLM.from_pretrained(tmp_path / "saved"))
+
+
+def test_a_float_quantize_attaches_no_quantizer(ckpt):
+    model = AutoModelForCausalLM.from_pretrained(ckpt("bf16", "llama"))
+    quantize_(model, "bf16")  # BF16Linear: plain bf16 weights, which transformers reads correctly
+    assert getattr(model, "hf_quantizer", None) is None
+
+
+def test_a_model_with_another_transformers_quantizer_is_refused_unchanged(ckpt):
+    from types import SimpleNamespace
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt("bf16", "llama"))
+    model.hf_quantizer = SimpleNamespace(quantization_config=SimpleNamespace(quant_method="bitsandbytes"))
+    with pytest.raises(ValueError, match="loaded with transformers' SimpleNamespace.*'bitsandbytes'"):
+        quantize_(model, "fp8")
+    assert not any(isinstance(m, (FP8Linear, FP4Linear)) for m in model.modules())
+
+
 # Loads each directory with transformers alone (no torch_bq import), printing a marker, transformers'
 # own load report (logged to stderr) and what from_pretrained raised.
 _PLAIN_LOAD = """
@@ -339,6 +408,15 @@ def test_plain_transformers_refuses_every_torch_bq_directory(ckpt, tmp_path):
                            fmt, progress=None)
     _load(ckpt("q", "deepseek_v3")).save_pretrained(dirs.setdefault("deepseek_v3 fp8 save_pretrained",
                                                                     tmp_path / "saved_deepseek"))
+    # a model loaded plainly (bf16) and quantized in place, saved with transformers' own save_pretrained
+    for family, fmt in (("llama", "fp8"), ("gpt_oss", "fp4"), ("deepseek_v3", "fp8")):
+        plain = AutoModelForCausalLM.from_pretrained(ckpt("bf16", family))
+        quantize_(plain, fmt)
+        plain.save_pretrained(dirs.setdefault(f"{family} {fmt} quantize_", tmp_path / f"quantize_{family}"))
+    # a skeleton filled by load_quantized_, saved the same way
+    skeleton = empty_model(fx.config("llama"), dtype=torch.bfloat16)
+    load_quantized_(skeleton, dirs["llama fp4 convert"])
+    skeleton.save_pretrained(dirs.setdefault("llama fp4 load_quantized_", tmp_path / "load_quantized_llama"))
     # the parameter each directory must be refused on and the stored code tensor behind it:
     # (family, parameter, checkpoint key). transformers' save_pretrained of DeepSeek-V3 writes
     # per-expert names, which convert quantizes one by one and transformers merges on load.
@@ -348,7 +426,11 @@ def test_plain_transformers_refuses_every_torch_bq_directory(ckpt, tmp_path):
              "gpt_oss fp4 convert": ("gpt_oss", "model.layers.0.mlp.experts.gate_up_proj", None),
              "deepseek_v3 fp8 convert": ("deepseek_v3", "model.layers.1.mlp.experts.gate_up_proj",
                                          "model.layers.1.mlp.experts.2.up_proj.weight"),
-             "deepseek_v3 fp8 save_pretrained": ("deepseek_v3", "model.layers.1.mlp.experts.gate_up_proj", None)}
+             "deepseek_v3 fp8 save_pretrained": ("deepseek_v3", "model.layers.1.mlp.experts.gate_up_proj", None),
+             "llama fp8 quantize_": ("llama", "model.layers.1.self_attn.o_proj.weight", None),
+             "gpt_oss fp4 quantize_": ("gpt_oss", "model.layers.1.mlp.experts.down_proj", None),
+             "deepseek_v3 fp8 quantize_": ("deepseek_v3", "model.layers.1.mlp.experts.gate_up_proj", None),
+             "llama fp4 load_quantized_": ("llama", "model.layers.0.self_attn.k_proj.weight", None)}
     out = subprocess.run([sys.executable, "-c", _PLAIN_LOAD, *map(str, dirs.values())], capture_output=True,
                          text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
