@@ -34,6 +34,10 @@ transformers' loading steps:
    :mod:`torch_bq.checkpoint.stored`), which transformers without this module refuses
    (a size mismatch) instead of reading fp8 codes as bf16 values.
 
+A transformers model quantized outside ``from_pretrained`` (``torch_bq.nn.quantize_``,
+``torch_bq.nn.load_quantized_``) is given this quantizer by :func:`attach_quantizer`,
+so its ``save_pretrained`` takes step 4 too.
+
 transformers is imported by this module only (the ``hf`` extra: ``pip install torch_bq[hf]``).
 """
 
