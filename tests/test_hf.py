@@ -381,6 +381,19 @@ def test_a_model_with_another_transformers_quantizer_is_refused_unchanged(ckpt):
     assert not any(isinstance(m, (FP8Linear, FP4Linear)) for m in model.modules())
 
 
+def test_without_a_usable_torch_bq_hf_quantize_warns_that_save_pretrained_is_unprotected(ckpt, monkeypatch):
+    import torch_bq
+
+    # what a transformers torch_bq.hf cannot plug into (4.x) looks like: importing it raises ImportError
+    monkeypatch.delattr(torch_bq, "hf")
+    monkeypatch.setitem(sys.modules, "torch_bq.hf", None)
+    model = AutoModelForCausalLM.from_pretrained(ckpt("bf16", "llama"))
+    with pytest.warns(UserWarning, match="reads back as bf16 values; save it with torch_bq.nn.save_quantized"):
+        quantize_(model, "fp8")
+    assert isinstance(model.model.layers[0].mlp.up_proj, FP8Linear)
+    assert getattr(model, "hf_quantizer", None) is None
+
+
 # Loads each directory with transformers alone (no torch_bq import), printing a marker, transformers'
 # own load report (logged to stderr) and what from_pretrained raised.
 _PLAIN_LOAD = """

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence, TextIO
@@ -89,18 +90,29 @@ def _progress(progress: Optional[bool], total: int, what: str) -> _Progress:
     return _Progress(sys.stderr if progress else None, max(total, 1), what)
 
 
-def _transformers_model(model: nn.Module) -> bool:
-    """Whether ``model`` is a transformers ``PreTrainedModel`` (without importing transformers:
-    it is the optional ``hf`` extra, and no model can be one unless transformers is loaded)."""
+def _hf_for(model: nn.Module):
+    """:mod:`torch_bq.hf` when ``model`` is a transformers ``PreTrainedModel`` it can give a quantizer, else ``None``.
+
+    transformers is the optional ``hf`` extra: no model can be a ``PreTrainedModel``
+    unless transformers is already loaded, so it is never imported here. Raises
+    ``ValueError`` (before the caller changes anything) if the model carries
+    another transformers quantizer.
+    """
     transformers = sys.modules.get("transformers")
-    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
-
-
-def _attach_hf_quantizer(model: nn.Module, **config) -> None:
-    """Give a transformers model torch_bq's quantizer (see :func:`torch_bq.hf.attach_quantizer`)."""
-    from .. import hf
-
-    hf.attach_quantizer(model, hf.TorchBQConfig(**config))
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return None
+    try:
+        from .. import hf
+    except ImportError as e:  # a transformers torch_bq.hf cannot plug into
+        warnings.warn(
+            f"{e}. Without it, transformers' save_pretrained of this model writes torch_bq's fp8/fp4 codes "
+            f"as plain tensors that transformers reads back as bf16 values; save it with "
+            f"torch_bq.nn.save_quantized instead",
+            stacklevel=3,
+        )
+        return None
+    hf.check_attachable(model)
+    return hf
 
 
 def _excluded(name: str, exclude: Optional[re.Pattern]) -> bool:
@@ -213,11 +225,7 @@ def quantize_(
     from .experts import experts_spec
 
     cls = module_class_for(format)
-    hf_model = _transformers_model(model)
-    if hf_model:
-        from .. import hf
-
-        hf.check_attachable(model)  # before anything changes
+    hf = _hf_for(model)  # before anything changes: it may refuse the model
     if format in ("bf16", "fp32w"):
         options.setdefault("keep_fp32", format == "fp32w")
     exclude_re = _compile_regex(exclude, "exclude")
@@ -267,10 +275,10 @@ def quantize_(
             report.experts.append(name)
     report.bytes_before = before
     report.bytes_after = _unique_bytes([t for _, m, _ in replacements for t in m.buffers()])
-    if hf_model and replacements:
-        _attach_hf_quantizer(
-            model, exclude=exclude if filter_fn is None else None, quantize_experts=experts,
-            **{k: options[k] for k in ("rounding", "act_quant", "act_peak") if k in options})
+    if hf is not None and replacements:
+        hf.attach_quantizer(model, hf.TorchBQConfig(
+            exclude=exclude if filter_fn is None else None, quantize_experts=experts,
+            **{k: options[k] for k in ("rounding", "act_quant", "act_peak") if k in options}))
     return report
 
 
@@ -405,11 +413,7 @@ def load_quantized_(
     """
     from .experts import QuantizedExperts, experts_spec
 
-    hf_model = _transformers_model(model)
-    if hf_model:
-        from .. import hf
-
-        hf.check_attachable(model)  # before anything changes
+    hf = _hf_for(model)  # before anything changes: it may refuse the model
     with open_checkpoint(source) as reader:
         loaded: dict[str, nn.Module] = {}
         report = LoadReport()
@@ -491,8 +495,8 @@ def load_quantized_(
     _retie(model, tie_of, dense)
     if not strict:
         _mark_unfilled(model, report)
-    if hf_model and loaded:
-        _attach_hf_quantizer(model, **{k: v for k, v in (("act_quant", act_quant), ("act_peak", act_peak)) if v is not None})
+    if hf is not None and loaded:
+        hf.attach_quantizer(model, hf.TorchBQConfig(act_quant=act_quant, act_peak=act_peak))
     return report
 
 
@@ -517,8 +521,6 @@ def _retie(model: nn.Module, tie_of: dict[str, list[str]], loaded: dict[str, tor
 
 def _mark_unfilled(model: nn.Module, report: LoadReport) -> None:
     """Modules whose own tensors are still on meta: list them, warn, and make calling them raise."""
-    import warnings
-
     for name, module in model.named_modules():
         own = [*module._parameters.values(), *module._buffers.values()]
         if any(t is not None and t.is_meta for t in own):
