@@ -20,14 +20,16 @@ and reports tokens/s (after a 2-token warm-up). Paths, measured in the same run:
   (torch_bq modules on the stored bytes);
 * ``transformers``: ``from_pretrained(path)``, which on a CPU dequantizes both formats
   to bf16 (FineGrainedFP8 and Mxfp4 fall back to ``dequantize=True`` without a GPU /
-  triton kernels; needs ``accelerate``).
+  triton kernels). transformers' quantizers refuse to load without ``accelerate``
+  (pinned in requirements-dev.txt); without it, run ``--paths torch_bq``.
 
 ``quantized bytes`` is the checkpoint's tensor bytes (what any loader must hold at least).
 
-Usage: ``python benchmarks/hf_load.py [--formats fp8,mxfp4] [--tokens 32] [--threads 1]``
+Usage: ``python benchmarks/hf_load.py [--formats fp8,mxfp4] [--paths torch_bq,transformers] [--tokens 32] [--threads 1]``
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -161,8 +163,18 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--paths", default="torch_bq,transformers",
+                    help="which loaders to measure (transformers' needs accelerate)")
     args = ap.parse_args()
     which = args.formats.split(",")
+    modes = args.paths.split(",")
+    if set(modes) - {"torch_bq", "transformers"}:
+        raise SystemExit(f"--paths: expected torch_bq and/or transformers, got {args.paths!r}")
+    if "transformers" in modes and importlib.util.find_spec("accelerate") is None:
+        # transformers' FineGrainedFP8 / Mxfp4 quantizers raise ImportError without it, after minutes of setup
+        raise SystemExit("the transformers path needs accelerate (its fp8 and mxfp4 quantizers refuse to load "
+                         "without it): python -m pip install accelerate==1.15.0 (as requirements-dev.txt pins "
+                         "it), or measure torch_bq alone with --paths torch_bq")
     print(f"# {cpu_info()}; {args.threads} thread(s)")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -172,23 +184,24 @@ def main() -> None:
                 continue
             qbytes = checkpoint_bytes(path)
             runs = {}
-            for mode in ("torch_bq", "transformers"):
+            for mode in modes:
                 out = subprocess.run([sys.executable, "-c", CHILD, mode, str(path), str(args.threads), str(args.tokens),
                                       str(paths[f"{fmt}-warmup"])],
                                      capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
                 if out.returncode != 0:
                     raise SystemExit(f"{fmt} {mode} failed:\n{out.stderr[-3000:]}")
                 runs[mode] = json.loads(out.stdout.strip().splitlines()[-1])
-            same = runs["torch_bq"]["tokens"] == runs["transformers"]["tokens"]
-            agree = sum(a == b for a, b in zip(runs["torch_bq"]["tokens"], runs["transformers"]["tokens"]))
             print(f"\n{fmt}: quantized bytes {qbytes / 2**20:.1f} MiB")
             print(f"{'path':<14}{'peak RSS':>12}{'/ quantized':>13}{'held':>11}{'load s':>9}{'tok/s':>9}")
             for mode, r in runs.items():
                 print(f"{mode:<14}{r['peak'] / 2**20:>9.1f} MiB{r['peak'] / qbytes:>12.2f}x"
                       f"{r['held'] / 2**20:>7.1f} MiB{r['load_s']:>9.2f}{r['tok_s']:>9.1f}")
-            print(f"torch_bq / transformers: tok/s {runs['torch_bq']['tok_s'] / runs['transformers']['tok_s']:.2f}x, "
-                  f"peak RSS {runs['torch_bq']['peak'] / runs['transformers']['peak']:.2f}x; "
-                  f"greedy tokens equal in {agree}/{args.tokens} positions{' (all)' if same else ''}")
+            if len(runs) == 2:
+                same = runs["torch_bq"]["tokens"] == runs["transformers"]["tokens"]
+                agree = sum(a == b for a, b in zip(runs["torch_bq"]["tokens"], runs["transformers"]["tokens"]))
+                print(f"torch_bq / transformers: tok/s {runs['torch_bq']['tok_s'] / runs['transformers']['tok_s']:.2f}x, "
+                      f"peak RSS {runs['torch_bq']['peak'] / runs['transformers']['peak']:.2f}x; "
+                      f"greedy tokens equal in {agree}/{args.tokens} positions{' (all)' if same else ''}")
             results.append({"format": fmt, "quantized_bytes": qbytes, **{m: {k: v for k, v in r.items() if k != 'tokens'}
                                                                            for m, r in runs.items()}})
     if args.json:

@@ -116,7 +116,7 @@ def test_records_are_in_the_shard_metadata_and_config(tmp_path):
 
 
 def test_config_json_records_a_layer_when_shards_carry_none(tmp_path):
-    # hf's save_pretrained writes one metadata dict per shard, so its layers are listed in config.json
+    # torch_bq.hf's save_pretrained wrote no shard records before record version 2; config.json lists its layers
     m = FP8Linear.from_linear(torch.nn.Linear(100, 100), block=(96, 96))
     (tmp_path / "d").mkdir()
     save_file({"p.weight": m.weight, "p.weight_scale": m.weight_scale}, tmp_path / "d" / "model.safetensors")
@@ -347,3 +347,127 @@ def test_tied_weights_are_stored_once_and_read_back_under_both_names(tmp_path):
     load_quantized_(skeleton, tmp_path / "q")  # strict: every model tensor is found
     x = torch.randint(0, 50, (3,))
     assert torch.equal(skeleton.head(skeleton.proj(skeleton.embed(x))), model.head(model.proj(model.embed(x))))
+
+
+# --------------------------------------------------------------------------- #
+# the trailing unit axis on element codes (record version 2, torch_bq.checkpoint.stored)
+# --------------------------------------------------------------------------- #
+
+
+def _quantized_modules(fmt):
+    from torch_bq.nn import FP4Experts, FP8Experts
+
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(64, 40)
+    experts = (FP8Experts if fmt == "fp8" else FP4Experts).from_weights(
+        torch.randn(3, 96, 64, generator=g) * 0.05, torch.randn(3, 64, 48, generator=g) * 0.05)
+    proj = FP8Linear.from_linear(lin, block=(32, 32)) if fmt == "fp8" else FP4Linear.from_linear(lin)
+    return torch.nn.ModuleDict({"proj": proj, "experts": experts})
+
+
+def _header(path):
+    """``(name -> shape as stored, the record body)`` from the file's own header."""
+    with safe_open(str(path), "pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, json.loads(f.metadata()[RECORD_KEY])
+
+
+def _assert_same_buffers(a, b):
+    sa, sb = dict(a.named_buffers()), dict(b.named_buffers())
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(_u8(sa[k]), _u8(sb[k])), k
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_save_quantized_stores_codes_with_a_recorded_unit_axis_and_reads_them_back(tmp_path, fmt):
+    from torch_bq.nn.expert_checkpoint import load_experts
+
+    model = _quantized_modules(fmt)
+    save_quantized(model, tmp_path / "q")
+    shapes, body = _header(tmp_path / "q" / "model-00001-of-00001.safetensors")
+    state = model.state_dict()
+    for name in ("proj.weight", "experts.gate_up_proj", "experts.down_proj"):
+        assert shapes[name] == (*state[name].shape, 1), name  # no reader can take it for [N, K]
+    for name in ("proj.weight_scale", "experts.gate_up_proj_scale", "proj.bias"):
+        assert shapes[name] == tuple(state[name].shape), name
+    assert body["version"] == 2
+    assert body["layers"]["proj"]["unit_axis"] == ["weight"]
+    assert body["layers"]["experts"]["unit_axis"] == ["gate_up_proj", "down_proj"]
+    # in memory the shapes are natural again, bit for bit
+    cls = FP8Linear if fmt == "fp8" else FP4Linear
+    _assert_same_buffers(cls.from_checkpoint(tmp_path / "q", "proj"), model["proj"])
+    _assert_same_buffers(load_experts(type(model["experts"]), tmp_path / "q", "experts", layout="torch_bq"),
+                         model["experts"])
+
+
+def test_convert_stores_codes_with_a_recorded_unit_axis_in_every_shard_that_holds_them(tmp_path):
+    g = torch.Generator().manual_seed(4)
+    src = {"p.weight": torch.randn(40, 64, generator=g), "e.gate_up_proj": torch.randn(3, 96, 64, generator=g) * 0.1,
+           "e.down_proj": torch.randn(3, 64, 48, generator=g) * 0.1}
+    save_file({"e.gate_up_proj": src["e.gate_up_proj"]}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"p.weight": src["p.weight"], "e.down_proj": src["e.down_proj"]},
+              tmp_path / "model-00002-of-00002.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "e.gate_up_proj": "model-00001-of-00002.safetensors", "p.weight": "model-00002-of-00002.safetensors",
+        "e.down_proj": "model-00002-of-00002.safetensors"}}))
+    convert_checkpoint(tmp_path, tmp_path / "out", "fp4", exclude=None, progress=None)
+    first, body1 = _header(tmp_path / "out" / "model-00001-of-00002.safetensors")
+    second, body2 = _header(tmp_path / "out" / "model-00002-of-00002.safetensors")
+    assert first["e.gate_up_proj"] == (3, 96, 32, 1) and body1["layers"]["e"]["unit_axis"] == ["gate_up_proj"]
+    assert second["e.down_proj"] == (3, 64, 24, 1) and second["p.weight"] == (40, 32, 1)
+    assert body2["layers"]["e"]["unit_axis"] == ["down_proj"] and body2["layers"]["p"]["unit_axis"] == ["weight"]
+    m = FP4Linear.from_checkpoint(tmp_path / "out", "p")
+    data, scale = formats.quantize_fp4(src["p.weight"])
+    assert torch.equal(_u8(m.weight), _u8(data)) and torch.equal(_u8(m.weight_scale), _u8(scale))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_a_file_written_before_the_unit_axis_loads_bit_exactly(tmp_path, fmt):
+    # torch_bq <= record version 1: natural shapes, records without unit_axis
+    from torch_bq.nn.expert_checkpoint import load_experts
+    from torch_bq.nn.save import layer_records
+
+    model = _quantized_modules(fmt)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    layers = {p: r.to_json() for p, r in layer_records(model).items()}
+    assert not any("unit_axis" in r for r in layers.values())
+    save_file(tensors, tmp_path / "old.safetensors",
+              metadata={"format": "pt", RECORD_KEY: json.dumps({"version": 1, "layers": layers})})
+    cls = FP8Linear if fmt == "fp8" else FP4Linear
+    _assert_same_buffers(cls.from_checkpoint(tmp_path / "old.safetensors", "proj"), model["proj"])
+    _assert_same_buffers(load_experts(type(model["experts"]), tmp_path / "old.safetensors", "experts",
+                                      layout="torch_bq"), model["experts"])
+    skeleton = _quantized_modules(fmt)
+    load_quantized_(skeleton, tmp_path / "old.safetensors")
+    _assert_same_buffers(skeleton, model)
+
+
+def test_a_recorded_unit_axis_must_be_there_and_be_recorded_right(tmp_path):
+    d, s = formats.quantize_fp8(_weight(64, 64), (32, 32))
+
+    def write(name, tensors, body):
+        save_file(tensors, tmp_path / name, metadata={RECORD_KEY: json.dumps(body)})
+        return tmp_path / name
+
+    layer = {"format": "fp8", "block": [32, 32], "unit_axis": ["weight"]}
+    path = write("natural.safetensors", {"p.weight": d, "p.weight_scale": s}, {"version": 2, "layers": {"p": layer}})
+    with pytest.raises(CheckpointError, match=r"'p.weight' is recorded .* trailing unit axis, but its shape is \[64, 64\]"):
+        FP8Linear.from_checkpoint(path, "p")
+    path = write("v1.safetensors", {"p.weight": d[..., None], "p.weight_scale": s}, {"version": 1, "layers": {"p": layer}})
+    with pytest.raises(CheckpointError, match="unit_axis is a version 2 field, the record says version 1"):
+        FP8Linear.from_checkpoint(path, "p")
+    for bad, match in (({**layer, "unit_axis": ["weight_scale"]}, r"unit_axis: expected a list of names in"),
+                       ({**layer, "unit_axis": "weight"}, r"unit_axis: expected a list"),
+                       ({"format": "bf16", "unit_axis": ["weight"]}, r"only \['fp8', 'fp4'\] codes")):
+        path = write("bad.safetensors", {"p.weight": d[..., None], "p.weight_scale": s},
+                     {"version": 2, "layers": {"p": bad}})
+        with pytest.raises(CheckpointError, match=match):
+            FP8Linear.from_checkpoint(path, "p")
+    # a torch_bq file rewritten without its records: the error says what the trailing 1 may be
+    path = write("lost.safetensors", {"p.weight": d[..., None], "p.weight_scale": s}, {"version": 2, "layers": {}})
+    with pytest.raises(CheckpointError, match=r"ending in a unit axis, it is torch_bq codes whose file lost its"):
+        FP8Linear.from_checkpoint(path, "p")
+    # and a version this torch_bq does not know yet is refused, not guessed at
+    path = write("v3.safetensors", {"p.weight": d, "p.weight_scale": s}, {"version": 3, "layers": {}})
+    with pytest.raises(CheckpointError, match=r"record version 3 is not one this torch_bq reads \(<= 2\)"):
+        FP8Linear.from_checkpoint(path, "p")

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -129,14 +130,19 @@ def test_load_quantized_errors_leave_model_unchanged(tmp_path):
     save_file(model.state_dict(), tmp_path / "float.safetensors")
     convert_checkpoint(tmp_path / "float.safetensors", tmp_path / "q", "fp8", progress=None)
     shard = tmp_path / "q" / "model-00001-of-00001.safetensors"
-    tensors = load_file(shard)
+    tensors = load_file(shard)  # as stored: the codes carry the unit axis their records name
+    with safe_open(shard, "pt") as f:
+        records = f.metadata()
+
+    def save(tensors, path):  # an edited shard keeps its records
+        save_file(tensors, path, metadata=records)
 
     def fresh():
         with torch.device("meta"):
             return Tiny()
 
     # a missing dense tensor (the index must agree, or the reader rejects the directory)
-    save_file({k: v for k, v in tensors.items() if k != "norm.weight"}, shard)
+    save({k: v for k, v in tensors.items() if k != "norm.weight"}, shard)
     index_path = tmp_path / "q" / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
     full_map = dict(index["weight_map"])
@@ -153,7 +159,7 @@ def test_load_quantized_errors_leave_model_unchanged(tmp_path):
     data = bad["up.weight"].view(torch.uint8).clone()
     data[95, 63] = 0x7F
     bad["up.weight"] = data.view(torch.float8_e4m3fn)
-    save_file(bad, shard)
+    save(bad, shard)
     index["weight_map"] = full_map
     index_path.write_text(json.dumps(index))
     m = fresh()
@@ -161,7 +167,7 @@ def test_load_quantized_errors_leave_model_unchanged(tmp_path):
         load_quantized_(m, tmp_path / "q")
     assert type(m.up) is nn.Linear and type(m.down) is nn.Linear and m.embed_tokens.weight.is_meta
     # shape mismatch between the model and the checkpoint
-    save_file(tensors, shard)
+    save(tensors, shard)
     with torch.device("meta"):
         small = Tiny()
         small.up = nn.Linear(64, 80)

@@ -7,11 +7,13 @@ quantized on load), from transformers configs; nothing is downloaded.
 """
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -26,8 +28,11 @@ from torch_bq.nn import (  # noqa: E402
     FP8Experts,
     FP8Linear,
     convert_checkpoint,
+    empty_model,
+    load_quantized_,
     quantize_,
 )
+from torch_bq.nn.selection import DEFAULT_EXCLUDE  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 PREQUANTIZED = {"deepseek_v3": fx.deepseek_fp8, "qwen3": fx.qwen3_fp8, "gpt_oss": fx.gpt_oss_mxfp4}
@@ -310,15 +315,181 @@ def test_a_quantized_directory_without_quantization_config_loads_from_its_tensor
     _assert_same_state(model, reference)
 
 
-@pytest.mark.xfail(strict=True, reason="transformers 5.23 only warns on an unknown quant_method and then casts fp8 "
-                   "codes to bf16 values; nothing in a torch_bq directory can make plain transformers refuse it "
-                   "(see docs/huggingface.md)")
-def test_plain_transformers_refuses_a_torch_bq_directory(ckpt, tmp_path):
-    model = _load(ckpt("bf16", "llama"), format="fp8")
+# --------------------------------------------------------------------------- #
+# models quantized in place (quantize_, load_quantized_), saved by transformers
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("family, fmt", [("llama", "fp8"), ("gpt_oss", "fp4"), ("deepseek_v3", "fp8")])
+def test_quantize_on_a_plainly_loaded_model_saves_what_from_pretrained_reloads(ckpt, family, fmt, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(ckpt("bf16", family))  # no quantization_config: no quantizer
+    assert getattr(model, "hf_quantizer", None) is None
+    report = quantize_(model, fmt)
+    assert isinstance(model.hf_quantizer, tbh.TorchBQQuantizer)
     model.save_pretrained(tmp_path / "saved")
-    code = ("from transformers import AutoModelForCausalLM\n"
-            f"AutoModelForCausalLM.from_pretrained({str(tmp_path / 'saved')!r})\n")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode != 0
+    qc = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "torch_bq" and qc["format"] == fmt
+    assert qc["exclude"] == DEFAULT_EXCLUDE and qc["modules_to_not_convert"] == ["lm_head", "model.embed_tokens"]
+    assert sorted(qc["layers"]) == sorted(report.converted)
+    if fmt == "fp8":
+        assert (qc["block"], qc["scale_dtype"]) == ([32, 32], "float8_e8m0fnu")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    _assert_same_state(model, reloaded)
+    # the same directory as quantizing on load writes
+    on_load = _load(ckpt("bf16", family), format=fmt)
+    on_load.save_pretrained(tmp_path / "on_load")
+    assert json.loads((tmp_path / "on_load" / "config.json").read_text())["quantization_config"]["layers"] == qc["layers"]
+    _assert_same_state(on_load, reloaded)
+
+
+def test_a_second_quantize_with_another_format_is_recorded_per_layer(ckpt, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(ckpt("bf16", "llama"))
+    quantize_(model, "fp8")
+    quantize_(model, "fp4", filter_fn=lambda m, name: name == "lm_head")
+    assert isinstance(model.lm_head, FP4Linear)
+    model.save_pretrained(tmp_path / "saved")
+    qc = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
+    # one model-wide format would make the reload refuse the layers of the other one
+    assert qc["format"] is None and qc["layers"]["lm_head"]["format"] == "fp4"
+    assert qc["layers"]["model.layers.0.mlp.up_proj"]["format"] == "fp8"
+    _assert_same_state(model, AutoModelForCausalLM.from_pretrained(tmp_path / "saved"))
+
+
+def test_load_quantized_into_a_skeleton_saves_what_from_pretrained_reloads(ckpt, tmp_path):
+    convert_checkpoint(ckpt("bf16", "gpt_oss"), tmp_path / "q", "fp4", progress=None)
+    skeleton = empty_model(fx.config("gpt_oss"), dtype=torch.bfloat16)
+    load_quantized_(skeleton, tmp_path / "q")
+    skeleton.save_pretrained(tmp_path / "saved")
+    qc = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "torch_bq" and qc["format"] == "fp4"
+    _assert_same_state(skeleton, AutoModelForCausalLM.from_pretrained(tmp_path / "saved"))
+
+
+def test_a_float_quantize_attaches_no_quantizer(ckpt):
+    model = AutoModelForCausalLM.from_pretrained(ckpt("bf16", "llama"))
+    quantize_(model, "bf16")  # BF16Linear: plain bf16 weights, which transformers reads correctly
+    assert getattr(model, "hf_quantizer", None) is None
+
+
+def test_a_model_with_another_transformers_quantizer_is_refused_unchanged(ckpt):
+    from types import SimpleNamespace
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt("bf16", "llama"))
+    model.hf_quantizer = SimpleNamespace(quantization_config=SimpleNamespace(quant_method="bitsandbytes"))
+    with pytest.raises(ValueError, match="loaded with transformers' SimpleNamespace.*'bitsandbytes'"):
+        quantize_(model, "fp8")
+    assert not any(isinstance(m, (FP8Linear, FP4Linear)) for m in model.modules())
+
+
+def test_without_a_usable_torch_bq_hf_quantize_warns_that_save_pretrained_is_unprotected(ckpt, monkeypatch):
+    import torch_bq
+
+    # what a transformers torch_bq.hf cannot plug into (4.x) looks like: importing it raises ImportError
+    monkeypatch.delattr(torch_bq, "hf")
+    monkeypatch.setitem(sys.modules, "torch_bq.hf", None)
+    model = AutoModelForCausalLM.from_pretrained(ckpt("bf16", "llama"))
+    with pytest.warns(UserWarning, match="reads back as bf16 values; save it with torch_bq.nn.save_quantized"):
+        quantize_(model, "fp8")
+    assert isinstance(model.model.layers[0].mlp.up_proj, FP8Linear)
+    assert getattr(model, "hf_quantizer", None) is None
+
+
+# Loads each directory with transformers alone (no torch_bq import), printing a marker, transformers'
+# own load report (logged to stderr) and what from_pretrained raised.
+_PLAIN_LOAD = """
+import sys
+from transformers import AutoModelForCausalLM
+for path in sys.argv[1:]:
+    print("=== " + path, file=sys.stderr, flush=True)
+    try:
+        AutoModelForCausalLM.from_pretrained(path)
+        print("LOADED", file=sys.stderr, flush=True)
+    except Exception as e:
+        print("RAISED " + type(e).__name__ + ": " + str(e), file=sys.stderr, flush=True)
+"""
+
+
+def test_plain_transformers_refuses_every_torch_bq_directory(ckpt, tmp_path):
+    # transformers 5.23 only warns about an unknown quant_method, and casts codes of another dtype to
+    # bf16; what it refuses is a checkpoint tensor whose shape is not the parameter's. torch_bq's layout
+    # stores every fp8/fp4 code tensor with a trailing unit axis for that (torch_bq.checkpoint.stored).
+    dirs = {}
+    model = _load(ckpt("bf16", "llama"), format="fp8")
+    model.save_pretrained(dirs.setdefault("llama fp8 save_pretrained", tmp_path / "saved_llama"))
+    for family, fmt in (("llama", "fp8"), ("llama", "fp4"), ("gpt_oss", "fp4"), ("deepseek_v3", "fp8")):
+        convert_checkpoint(ckpt("bf16", family), dirs.setdefault(f"{family} {fmt} convert", tmp_path / f"{family}_{fmt}"),
+                           fmt, progress=None)
+    _load(ckpt("q", "deepseek_v3")).save_pretrained(dirs.setdefault("deepseek_v3 fp8 save_pretrained",
+                                                                    tmp_path / "saved_deepseek"))
+    # a model loaded plainly (bf16) and quantized in place, saved with transformers' own save_pretrained
+    for family, fmt in (("llama", "fp8"), ("gpt_oss", "fp4"), ("deepseek_v3", "fp8")):
+        plain = AutoModelForCausalLM.from_pretrained(ckpt("bf16", family))
+        quantize_(plain, fmt)
+        plain.save_pretrained(dirs.setdefault(f"{family} {fmt} quantize_", tmp_path / f"quantize_{family}"))
+    # a skeleton filled by load_quantized_, saved the same way
+    skeleton = empty_model(fx.config("llama"), dtype=torch.bfloat16)
+    load_quantized_(skeleton, dirs["llama fp4 convert"])
+    skeleton.save_pretrained(dirs.setdefault("llama fp4 load_quantized_", tmp_path / "load_quantized_llama"))
+    # the parameter each directory must be refused on and the stored code tensor behind it:
+    # (family, parameter, checkpoint key). transformers' save_pretrained of DeepSeek-V3 writes
+    # per-expert names, which convert quantizes one by one and transformers merges on load.
+    codes = {"llama fp8 save_pretrained": ("llama", "model.layers.0.mlp.down_proj.weight", None),
+             "llama fp8 convert": ("llama", "model.layers.1.self_attn.q_proj.weight", None),
+             "llama fp4 convert": ("llama", "model.layers.0.mlp.up_proj.weight", None),
+             "gpt_oss fp4 convert": ("gpt_oss", "model.layers.0.mlp.experts.gate_up_proj", None),
+             "deepseek_v3 fp8 convert": ("deepseek_v3", "model.layers.1.mlp.experts.gate_up_proj",
+                                         "model.layers.1.mlp.experts.2.up_proj.weight"),
+             "deepseek_v3 fp8 save_pretrained": ("deepseek_v3", "model.layers.1.mlp.experts.gate_up_proj", None),
+             "llama fp8 quantize_": ("llama", "model.layers.1.self_attn.o_proj.weight", None),
+             "gpt_oss fp4 quantize_": ("gpt_oss", "model.layers.1.mlp.experts.down_proj", None),
+             "deepseek_v3 fp8 quantize_": ("deepseek_v3", "model.layers.1.mlp.experts.gate_up_proj", None),
+             "llama fp4 load_quantized_": ("llama", "model.layers.0.self_attn.k_proj.weight", None)}
+    out = subprocess.run([sys.executable, "-c", _PLAIN_LOAD, *map(str, dirs.values())], capture_output=True,
+                         text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sections = dict(part.split("\n", 1) for part in out.stderr.split("=== ")[1:])
+    shapes = {f: {k: list(v.shape) for k, v in fx.float_model(f).state_dict().items()}
+              for f in {family for family, _, _ in codes.values()}}
+    for what, path in dirs.items():
+        log = sections[str(path)]
+        assert "RAISED RuntimeError: You set `ignore_mismatched_sizes` to `False`" in log, (what, log[-2000:])
+        family, key, stored_key = codes[what]
+        dense = shapes[family][key]
+        with safe_open(str(next(path.glob("*.safetensors"))), "pt") as f:
+            stored = f.get_slice(stored_key or key).get_shape()
+        assert len(stored) == len(dense if stored_key is None else dense[1:]) + 1 and stored[-1] == 1, (what, stored)
+        # what transformers compares with the parameter: the stored tensor, or (fp8) the per-expert ones merged
+        compared = stored if stored_key is None else [*dense, 1]
+        # the load report names the quantized tensor and both shapes (layer indices may be folded: {0, 1})
+        leaf = key.split(".", 3)[3]
+        row = (rf"{re.escape(leaf)}\s*\|\s*MISMATCH\s*\|\s*Reinit due to size mismatch - ckpt: "
+               rf"torch\.Size\({re.escape(str(compared))}\) vs model:torch\.Size\({re.escape(str(dense))}\)")
+        assert re.search(row, log), (what, row, log[-3000:])
+
+
+@pytest.mark.parametrize("family, fmt", [("llama", "fp8"), ("gpt_oss", "fp4")])
+def test_a_torch_bq_directory_written_before_the_unit_axis_loads_bit_exactly(ckpt, tmp_path, family, fmt):
+    from torch_bq.checkpoint import RECORD_KEY, CheckpointReader, decode_records
+
+    new = tmp_path / "new"
+    convert_checkpoint(ckpt("bf16", family), new, fmt, progress=None)
+    # the same directory as torch_bq wrote it with record version 1: natural shapes, no unit_axis
+    old = tmp_path / "old"
+    old.mkdir()
+    for f in new.iterdir():
+        if f.suffix != ".safetensors":
+            (old / f.name).write_bytes(f.read_bytes())
+            continue
+        with safe_open(str(f), "pt") as h:
+            layers = {p: {k: v for k, v in r.to_json().items() if k != "unit_axis"}
+                      for p, r in decode_records(h.metadata(), f.name).items()}
+        with CheckpointReader(f) as reader:
+            natural = {k: reader.get(k) for k in reader.keys()}
+        assert any(load_file(f)[k].dim() == v.dim() + 1 for k, v in natural.items())
+        save_file(natural, old / f.name, metadata={"format": "pt", RECORD_KEY: json.dumps({"version": 1, "layers": layers})})
+    loaded = AutoModelForCausalLM.from_pretrained(new)
+    _assert_same_state(AutoModelForCausalLM.from_pretrained(old), loaded)
+    _assert_same_state(_load(old), loaded)
 
 
 def test_modelopt_nvfp4_checkpoint_loads_into_nvfp4_linears(tmp_path):

@@ -28,7 +28,15 @@ transformers' loading steps:
    quantizer and install the result; dense tensors load as transformers loads them;
 3. ``_process_model_after_weight_loading`` refuses a model with a torch_bq module
    the checkpoint did not fill, and records every quantized module in
-   ``model.config.quantization_config.layers`` so ``save_pretrained`` writes it.
+   ``model.config.quantization_config.layers`` so ``save_pretrained`` writes it;
+4. ``save_pretrained`` writes the state dict through ``get_state_dict_and_metadata``
+   in torch_bq's own layout (shard records, codes with a trailing unit axis, see
+   :mod:`torch_bq.checkpoint.stored`), which transformers without this module refuses
+   (a size mismatch) instead of reading fp8 codes as bf16 values.
+
+A transformers model quantized outside ``from_pretrained`` (``torch_bq.nn.quantize_``,
+``torch_bq.nn.load_quantized_``) is given this quantizer by :func:`attach_quantizer`,
+so its ``save_pretrained`` takes step 4 too.
 
 transformers is imported by this module only (the ``hf`` extra: ``pip install torch_bq[hf]``).
 """
@@ -55,13 +63,14 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 from . import formats
+from .checkpoint import from_stored, to_stored
 from .nn.checkpoint import CheckpointError, CheckpointReader, build_module, detect_linear, read_linear
-from .nn.convert import DEFAULT_EXCLUDE, experts_layout, quantized_layout, set_submodule, tied_groups
+from .nn.selection import DEFAULT_EXCLUDE, experts_layout, quantized_layout, set_submodule, tied_groups
 from .nn.expert_checkpoint import load_experts
 from .nn.experts import FP4Experts, FP8Experts, QuantizedExperts, experts_spec
 from .nn.linear import BF16Linear, FP4Linear, FP8Linear, NVFP4Linear
 
-__all__ = ["QUANT_METHOD", "TorchBQConfig", "TorchBQQuantizer", "model_from_config"]
+__all__ = ["QUANT_METHOD", "TorchBQConfig", "TorchBQQuantizer", "attach_quantizer", "check_attachable", "model_from_config"]
 
 QUANT_METHOD = "torch_bq"
 
@@ -281,7 +290,8 @@ class _LoadLinear(_Op):
     def convert(self, input_dict, model=None, full_layer_name=None, missing_keys=None, **kwargs):
         prefix = full_layer_name.removesuffix(".weight")
         module = model.get_submodule(prefix)
-        tensors = {prefix + pattern.replace("\\", ""): _first(v) for pattern, v in input_dict.items()}
+        tensors = self.hf_quantizer.natural(
+            {prefix + pattern.replace("\\", ""): _first(v) for pattern, v in input_dict.items()})
         if not isinstance(module, _QUANTIZED_LINEARS):
             if len(tensors) != 1 or f"{prefix}.weight" not in tensors:
                 raise CheckpointError(
@@ -345,6 +355,7 @@ class _LoadExperts(_Op):
                     tensors[f"{prefix}.{e}.{rest[2:]}"] = t
             else:
                 tensors[f"{prefix}.{rest}"] = _first(values)
+        tensors = quantizer.natural(tensors)
         if isinstance(skeleton, FP8Experts):
             options["block"] = skeleton.block
         cls = type(skeleton)
@@ -458,6 +469,11 @@ class TorchBQQuantizer(HfQuantizer):
         self._plan: dict[str, dict] = {}  # module name -> what it becomes
         self._filled: set[str] = set()
         self._quantized_parts: dict[str, set] = {}
+        self._unit_axis: set[str] = set()  # checkpoint tensors stored with torch_bq's unit axis
+
+    def natural(self, tensors: dict) -> dict:
+        """Checkpoint tensors as transformers hands them over (as stored) -> natural shapes."""
+        return {k: from_stored(k, t) if k in self._unit_axis else t for k, t in tensors.items()}
 
     # -- environment ---------------------------------------------------------------
 
@@ -503,6 +519,8 @@ class TorchBQQuantizer(HfQuantizer):
                 reader.close()
                 reader = None
         try:
+            if reader is not None:
+                self._unit_axis = {k for k in reader.keys() if reader.unit_axis(k)}
             swaps: list[tuple[str, nn.Module]] = []
             for name, module in model.named_modules():
                 if not name or any(name.startswith(p + ".") for p, _ in swaps):
@@ -674,30 +692,25 @@ class TorchBQQuantizer(HfQuantizer):
                 f"the checkpoint did not fill {len(unfilled)} torch_bq modules (left as uninitialised memory by "
                 f"transformers' loader, so refused): {unfilled[:8]}{'...' if len(unfilled) > 8 else ''}"
             )
-        config = self.quantization_config
-        config.layers = {}
-        seen_formats = []
-        for name, module in model.named_modules():
-            record = _layer_record(module)
-            if record is not None:
-                config.layers[name] = record
-                seen_formats.append(record["format"])
-        if config.format is None and seen_formats:
-            config.format = max(set(seen_formats), key=seen_formats.count)
-        if config.format == "fp8" and config.block is None:
-            blocks = [tuple(r["block"]) for r in config.layers.values() if r["format"] == "fp8"]
-            if blocks:
-                config.block = list(max(set(blocks), key=blocks.count))
-                scales = [r["scale_dtype"] for r in config.layers.values() if r["format"] == "fp8"]
-                config.scale_dtype = max(set(scales), key=scales.count)
-        config.modules_to_not_convert = sorted(
-            name for name, m in model.named_modules() if type(m) is nn.Linear or isinstance(m, nn.Embedding)
-        ) or None
+        _record_layers(self.quantization_config, model)
         # save_pretrained writes the in-memory names (torch_bq modules' own), which this
         # quantizer and torch_bq's loaders read back; the model's checkpoint renamings
         # (per-expert splits) do not apply to quantized experts.
         model._weight_conversions = []
         return model
+
+    # -- save_pretrained -------------------------------------------------------------------
+
+    def get_state_dict_and_metadata(self, model):
+        """What ``save_pretrained`` writes: the state dict in torch_bq's stored layout and its records.
+
+        The records (and the codes' trailing unit axis, :mod:`torch_bq.checkpoint.stored`) are
+        what ``convert_checkpoint`` and ``save_quantized`` write; transformers puts the same
+        ``__metadata__`` into every shard.
+        """
+        from .nn.save import layer_records
+
+        return to_stored(model.state_dict(), layer_records(model))
 
     # -- capabilities ---------------------------------------------------------------------
 
@@ -711,6 +724,31 @@ class TorchBQQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+
+def _record_layers(config: TorchBQConfig, model: nn.Module) -> None:
+    """Fill ``config`` from the torch_bq modules ``model`` holds: what ``save_pretrained`` writes."""
+    config.layers = {}
+    seen_formats = []
+    for name, module in model.named_modules():
+        record = _layer_record(module)
+        if record is not None:
+            config.layers[name] = record
+            seen_formats.append(record["format"])
+    if config.format is None and len(set(seen_formats)) == 1:
+        # one format for the whole model only when every layer has it (a reload checks
+        # each layer against it); a mixed model says so per layer only
+        config.format = seen_formats[0]
+    if config.format == "fp8" and config.block is None:
+        blocks = [tuple(r["block"]) for r in config.layers.values() if r["format"] == "fp8"]
+        if blocks:
+            config.block = list(max(set(blocks), key=blocks.count))
+            scales = [r["scale_dtype"] for r in config.layers.values() if r["format"] == "fp8"]
+            config.scale_dtype = max(set(scales), key=scales.count)
+    config.modules_to_not_convert = sorted(
+        name for name, m in model.named_modules() if type(m) is nn.Linear or isinstance(m, nn.Embedding)
+    ) or None
 
 
 def _layer_record(module: nn.Module) -> Optional[dict]:
@@ -727,6 +765,63 @@ def _layer_record(module: nn.Module) -> Optional[dict]:
         return {"format": "fp4", "block": [1, 32], "scale_dtype": "float8_e8m0fnu",
                 "experts": module.num_experts, "activation": module.activation}
     return None
+
+
+# =========================================================================== #
+# models quantized outside from_pretrained (quantize_, load_quantized_)
+# =========================================================================== #
+
+
+def check_attachable(model: nn.Module) -> None:
+    """Raise ``ValueError`` if ``model`` carries a transformers quantizer other than torch_bq's.
+
+    ``save_pretrained`` writes what that quantizer says; torch_bq modules swapped in
+    beside its own would be saved in its layout, which it cannot read back.
+    """
+    current = getattr(model, "hf_quantizer", None)
+    if current is not None and not isinstance(current, TorchBQQuantizer):
+        method = getattr(current.quantization_config, "quant_method", None)
+        raise ValueError(
+            f"the model was loaded with transformers' {type(current).__name__} (quant_method "
+            f"{getattr(method, 'value', method)!r}); torch_bq modules added to it would be saved in that "
+            f"quantizer's layout. Load it in float (or with torch_bq.hf.TorchBQConfig) first"
+        )
+
+
+def attach_quantizer(model: nn.Module, config: TorchBQConfig) -> Optional[TorchBQQuantizer]:
+    """Make a transformers model that torch_bq quantized in place save as if ``from_pretrained`` had.
+
+    :func:`torch_bq.nn.quantize_` and :func:`torch_bq.nn.load_quantized_` call this on a
+    ``PreTrainedModel``: without a quantizer, transformers' ``save_pretrained`` would
+    write fp8/fp4 codes in their natural shapes with no ``quantization_config``, and
+    transformers would later read them back as bf16 values. With it, the model is what
+    ``from_pretrained(..., quantization_config=config)`` returns: ``model.hf_quantizer``
+    is a :class:`TorchBQQuantizer`, ``model.config.quantization_config`` is ``config``
+    with every torch_bq module recorded in ``layers`` (format, block, scale dtype) and
+    the float ones in ``modules_to_not_convert``, and ``save_pretrained`` writes torch_bq's
+    stored layout (records, codes with a unit axis), which ``from_pretrained`` reloads
+    bit-exactly with this module imported and plain transformers refuses.
+
+    A model that already has torch_bq's quantizer keeps it, its records redone from
+    the modules; ``config`` is then unused. Returns the quantizer, or ``None`` when the
+    model holds no torch_bq quantized module (nothing to protect: e.g. ``quantize_(..., "bf16")``).
+    """
+    check_attachable(model)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        if not any(_layer_record(m) is not None for m in model.modules()):
+            return None
+        quantizer = TorchBQQuantizer(config, pre_quantized=True)
+    else:
+        # re-derived from the modules: a second quantize_ may have changed them
+        quantizer.quantization_config.format = quantizer.quantization_config.block = None
+        quantizer.quantization_config.scale_dtype = None
+    model.hf_quantizer = quantizer
+    # what transformers' preprocess_model sets on a model it quantizes (.half()/.float() refuse it)
+    model.is_quantized = True
+    model.quantization_method = QUANT_METHOD
+    quantizer.postprocess_model(model)  # config.quantization_config, then _process_model_after_weight_loading
+    return quantizer
 
 
 def model_from_config(config, *args, dtype: Optional[torch.dtype] = None, **kwargs) -> nn.Module:

@@ -8,6 +8,7 @@ not import :mod:`torch_bq.nn`.
 * :mod:`.reader` — :class:`CheckpointReader`: files, directories, indexes, mappings;
 * :mod:`.record` — what torch_bq records (``__metadata__``, ``config.json``) and known families' configs;
 * :mod:`.layouts` — :func:`detect_linear` / :func:`read_linear`: layout detection -> weights record;
+* :mod:`.stored` — the trailing unit axis torch_bq's own layout stores element codes with;
 * :mod:`.scan` — the bounded-memory NaN-code scan.
 """
 
@@ -43,6 +44,7 @@ from .record import (
 )
 from .safetensors_file import SafetensorsFile
 from .scan import scan_nan_codes
+from .stored import from_stored, to_stored
 
 __all__ = [
     "CheckpointError",
@@ -76,4 +78,6 @@ __all__ = [
     "config_record",
     "quantization_config",
     "scan_nan_codes",
+    "to_stored",
+    "from_stored",
 ]

@@ -15,6 +15,8 @@ layout              tensors                                               format
 ==================  ====================================================  =====================
 
 plus ``{p}.bias`` (``{p}_bias`` for gpt-oss) when present. All scales are *multiplied*.
+Shapes here are natural: the trailing unit axis torch_bq's own files store codes
+with is removed by the reader (:mod:`.stored`).
 
 **Recorded, never guessed.** The format and block come from, in order: the
 record torch_bq wrote into the shard's ``__metadata__``; ``config.json``'s
@@ -210,8 +212,10 @@ def _stack_dims(reader: CheckpointReader, name: str, base_ndim: int, expert: Opt
     if len(shape) == base_ndim + 1:
         e = shape[0]
         if expert is None:
+            hint = ("; or, ending in a unit axis, it is torch_bq codes whose file lost its __metadata__ records "
+                    "(rewritten without metadata=?)" if shape[-1] == 1 else "")
             raise CheckpointError(
-                f"{name}: holds {e} stacked experts (shape {list(shape)}); pass expert=i to pick one"
+                f"{name}: holds {e} stacked experts (shape {list(shape)}); pass expert=i to pick one{hint}"
             )
         if isinstance(expert, bool) or not isinstance(expert, int) or not 0 <= expert < e:
             raise CheckpointError(f"{name}: expert={expert!r} is out of range for {e} experts")

@@ -25,6 +25,7 @@ import torch
 from .errors import CheckpointError, IncompleteCheckpointError, MissingTensorError, UnsafePathError
 from .record import LayerRecord, decode_records
 from .safetensors_file import SafetensorsFile, open_regular
+from .stored import from_stored, has_unit_axis, natural_shape
 
 __all__ = ["CheckpointReader", "open_checkpoint", "INDEX_NAME", "Source", "SHARD_PATTERN"]
 
@@ -63,7 +64,8 @@ class CheckpointReader:
         source: a ``.safetensors`` file, a directory (sharded index or ``*.safetensors``
             files, optional ``config.json``), or a mapping ``name -> Tensor``.
 
-    :meth:`keys`, :meth:`shape`, :meth:`dtype` and :meth:`metadata` read headers only;
+    :meth:`keys`, :meth:`shape`, :meth:`dtype` and :meth:`metadata` read headers only; shapes
+    and tensors are natural (torch_bq's stored unit axis removed, see :mod:`.stored`);
     with a sharded index a shard's header is read the first time one of its
     tensors is asked about. Files stay open until :meth:`close` (or the end of a
     ``with`` block); tensors already read stay valid after it.
@@ -245,12 +247,26 @@ class CheckpointReader:
         return sorted(self._files)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """Shape of ``name`` in torch's terms (``float4_e2m1fn_x2`` counts byte pairs), read from the header."""
+        """Shape of ``name`` in torch's terms (``float4_e2m1fn_x2`` counts byte pairs), read from the header.
+
+        Natural: without the trailing unit axis torch_bq's layout stores element codes with
+        (:mod:`torch_bq.checkpoint.stored`); :meth:`get` and slices return that shape too.
+        """
         self._require(name)
         if self._tensors is not None:
             return tuple(self._tensors[name].shape)
-        f, name = self._entry(name)
-        return f.torch_shape(name)
+        f, stored = self._entry(name)
+        shape = f.torch_shape(stored)
+        if self.unit_axis(name):
+            shape = natural_shape(name, shape, str(f.path))
+        return shape
+
+    def unit_axis(self, name: str) -> bool:
+        """Whether ``name`` is stored with torch_bq's trailing unit axis (its file's record says so)."""
+        self._require(name)
+        if self._tensors is not None:
+            return False
+        return has_unit_axis(self.records(name), self._entry(name)[1])
 
     def dtype(self, name: str) -> torch.dtype:
         """Torch dtype of ``name``, read from the header."""
@@ -349,11 +365,16 @@ class CheckpointReader:
         if self._tensors is not None:
             t = self._tensors[name]
             return t if index is None else t[index]
-        f, name = self._entry(name)
+        f, stored = self._entry(name)
+        unit = self.unit_axis(name)
+        if unit and isinstance(index, tuple) and len(index) > len(self.shape(name)):
+            raise CheckpointError(f"{name}: cannot read {index!r} from {f.path}: {len(index)} indices for a "
+                                  f"{len(self.shape(name))}-d tensor")
         try:
-            return f.read(name, index)
+            t = f.read(stored, index)
         except IndexError as e:
             raise CheckpointError(f"{name}: cannot read {index!r} from {f.path}: {e}") from None
+        return from_stored(name, t, str(f.path)) if unit else t
 
     def _require(self, name: str) -> None:
         if name not in self:

@@ -3,9 +3,14 @@
 torch_bq writes one record per quantized layer into the ``__metadata__`` of the
 shard that holds the layer's weight, under the key ``"torch_bq"``, as JSON::
 
-    {"version": 1, "layers": {"model.layers.0.mlp.down_proj":
+    {"version": 2, "layers": {"model.layers.0.mlp.down_proj":
         {"format": "fp8", "block": [96, 96], "scale_dtype": "float8_e8m0fnu",
-         "in_features": 100, "out_features": 200}}}
+         "in_features": 100, "out_features": 200, "unit_axis": ["weight"]}}}
+
+``unit_axis`` (version 2) names the layer's tensors stored with one trailing
+unit axis, ``weight [200, 100, 1]`` here (why, and the one place that adds and
+removes it: :mod:`torch_bq.checkpoint.stored`). Version 1 records have none:
+every tensor is stored in its natural shape.
 
 and a model-wide ``quantization_config`` into ``config.json`` in the
 convention Hugging Face uses (``quant_method: "torch_bq"``; see
@@ -33,6 +38,8 @@ __all__ = [
     "LayerRecord",
     "RECORD_KEY",
     "RECORD_VERSION",
+    "UNIT_AXIS_LEAVES",
+    "UNIT_AXIS_FORMATS",
     "QUANT_METHOD",
     "FORMAT_NAMES",
     "SCALE_DTYPES",
@@ -44,12 +51,22 @@ __all__ = [
 ]
 
 RECORD_KEY = "torch_bq"
-RECORD_VERSION = 1
+#: 2: records may name tensors stored with a trailing unit axis (``unit_axis``); 1: none are.
+#: A reader refuses versions above its own, so a torch_bq that knows only 1 refuses a file
+#: it would misread instead of reading it.
+RECORD_VERSION = 2
 QUANT_METHOD = "torch_bq"
 
 #: accepted format names -> canonical name
 FORMAT_NAMES = {"fp8": "fp8", "mxfp8": "fp8", "fp4": "fp4", "mxfp4": "fp4", "nvfp4": "nvfp4", "bf16": "bf16",
                 "fp32w": "fp32w"}
+
+#: the leaf names of element-code tensors: a torch_bq linear's ``weight``, a torch_bq experts
+#: module's ``gate_up_proj`` / ``down_proj`` (the only names a record's ``unit_axis`` may give)
+UNIT_AXIS_LEAVES = ("weight", "gate_up_proj", "down_proj")
+#: the formats whose codes torch_bq's own layout stores with a unit axis. NVFP4 is written in
+#: ModelOpt's layout, as ModelOpt writes it (its packed [N, ceil(K/2)] is not [N, K] for K >= 2).
+UNIT_AXIS_FORMATS = ("fp8", "fp4")
 
 #: recorded scale dtype names -> torch dtypes
 SCALE_DTYPES = {"float8_e8m0fnu": torch.float8_e8m0fnu, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
@@ -67,6 +84,9 @@ class LayerRecord:
         source: where the record was read, for messages.
         default: the model-wide default of a config (not a record of this very layer), so
             a layer stored dense is simply one the config did not quantize.
+        unit_axis: the leaf names (``"weight"``, ``"gate_up_proj"``, ``"down_proj"``) of the
+            layer's tensors that this record's file stores with one trailing unit axis
+            (record version 2; see :mod:`torch_bq.checkpoint.stored`).
     """
 
     format: str
@@ -76,6 +96,7 @@ class LayerRecord:
     out_features: Optional[int] = None
     source: str = ""
     default: bool = False
+    unit_axis: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         out: dict[str, Any] = {"format": self.format}
@@ -86,6 +107,8 @@ class LayerRecord:
         for key in ("in_features", "out_features"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.unit_axis:
+            out["unit_axis"] = list(self.unit_axis)
         return out
 
 
@@ -124,11 +147,17 @@ def _parse_layer(value, where: str, default: bool = False) -> LayerRecord:
         if v is not None and not (_is_int(v) and v >= 1):
             raise CheckpointError(f"{where}.{key}: expected a positive int, got {v!r}")
         dims[key] = v
+    unit_axis = value.get("unit_axis", [])
+    if not isinstance(unit_axis, list) or not all(isinstance(v, str) and v in UNIT_AXIS_LEAVES for v in unit_axis):
+        raise CheckpointError(f"{where}.unit_axis: expected a list of names in {list(UNIT_AXIS_LEAVES)}, got {unit_axis!r}")
+    if unit_axis and fmt not in UNIT_AXIS_FORMATS:
+        raise CheckpointError(f"{where}.unit_axis: only {list(UNIT_AXIS_FORMATS)} codes are stored with a unit axis, "
+                              f"the record says {fmt}")
     if fmt == "fp4" and block not in (None, (1, 32)):
         raise CheckpointError(f"{where}.block: fp4 (MXFP4) blocks are [1, 32], got {list(block)}")
     if fmt == "nvfp4" and block not in (None, (1, 16)):
         raise CheckpointError(f"{where}.block: nvfp4 blocks are [1, 16], got {list(block)}")
-    return LayerRecord(fmt, block, sdt, dims["in_features"], dims["out_features"], where, default)
+    return LayerRecord(fmt, block, sdt, dims["in_features"], dims["out_features"], where, default, tuple(unit_axis))
 
 
 def encode_records(records: Mapping[str, LayerRecord]) -> dict[str, str]:
@@ -156,7 +185,10 @@ def decode_records(metadata: Mapping[str, str], where: str) -> dict[str, LayerRe
     layers = body.get("layers")
     if not isinstance(layers, dict):
         raise CheckpointError(f"{where}.layers: expected an object, got {type(layers).__name__}")
-    return {prefix: _parse_layer(v, f"{where}.layers[{prefix!r}]") for prefix, v in layers.items()}
+    records = {prefix: _parse_layer(v, f"{where}.layers[{prefix!r}]") for prefix, v in layers.items()}
+    if version < 2 and any(r.unit_axis for r in records.values()):
+        raise CheckpointError(f"{where}: unit_axis is a version 2 field, the record says version {version}")
+    return records
 
 
 def quantization_config(

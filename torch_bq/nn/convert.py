@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence, TextIO
@@ -35,13 +36,14 @@ from ..checkpoint import (
     MissingTensorError,
     Source,
     detect_linear,
-    encode_records,
     open_checkpoint,
     quantization_config,
     read_json,
     read_linear,
+    to_stored,
 )
 from .linear import BF16Linear, FP4Linear, FP8Linear, build_module, module_class_for
+from .selection import DEFAULT_EXCLUDE, experts_layout, quantized_layout, set_submodule, tied_groups
 
 __all__ = [
     "QuantizeReport",
@@ -55,9 +57,6 @@ __all__ = [
 
 _TORCH_BQ_MODULES = (FP8Linear, FP4Linear, BF16Linear)
 
-#: tensors ``convert_checkpoint`` leaves in high precision unless told otherwise
-DEFAULT_EXCLUDE = r"(embed|lm_head|norm|router|\.gate\.weight$)"
-
 
 def _state_bytes(module: nn.Module) -> int:
     # Tensors held, not state_dict entries: an FP8Linear's recorded block (_extra_state) is not weight bytes.
@@ -65,27 +64,9 @@ def _state_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in held)
 
 
-def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    """Replace the submodule at dotted ``name`` of ``model`` by ``module``."""
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
-
-
 # =========================================================================== #
-# shared: tied tensors, experts, progress
+# shared: bytes, progress, transformers models
 # =========================================================================== #
-
-
-def tied_groups(model: nn.Module) -> list[list[str]]:
-    """Names of parameters/buffers that are one tensor under several names (tied embeddings), per tensor."""
-    groups: dict[int, list[str]] = {}
-    for name, t in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(t), []).append(name)
-    for name, t in model.named_buffers(remove_duplicate=False):
-        if t is not None:
-            groups.setdefault(id(t), []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
 
 
 def _unique_bytes(tensors) -> int:
@@ -107,6 +88,31 @@ def _progress(progress: Optional[bool], total: int, what: str) -> _Progress:
     if progress is None:
         progress = total >= 32 and bool(getattr(sys.stderr, "isatty", lambda: False)())
     return _Progress(sys.stderr if progress else None, max(total, 1), what)
+
+
+def _hf_for(model: nn.Module):
+    """:mod:`torch_bq.hf` when ``model`` is a transformers ``PreTrainedModel`` it can give a quantizer, else ``None``.
+
+    transformers is the optional ``hf`` extra: no model can be a ``PreTrainedModel``
+    unless transformers is already loaded, so it is never imported here. Raises
+    ``ValueError`` (before the caller changes anything) if the model carries
+    another transformers quantizer.
+    """
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return None
+    try:
+        from .. import hf
+    except ImportError as e:  # a transformers torch_bq.hf cannot plug into
+        warnings.warn(
+            f"{e}. Without it, transformers' save_pretrained of this model writes torch_bq's fp8/fp4 codes "
+            f"as plain tensors that transformers reads back as bf16 values; save it with "
+            f"torch_bq.nn.save_quantized instead",
+            stacklevel=3,
+        )
+        return None
+    hf.check_attachable(model)
+    return hf
 
 
 def _excluded(name: str, exclude: Optional[re.Pattern]) -> bool:
@@ -208,10 +214,18 @@ def quantize_(
     the input one) is skipped unless ``filter_fn`` selects it, so that ties stay
     tied. Every selected module is quantized before the first one is swapped in,
     so an error (a non-finite weight, a layer on ``meta``) leaves the model unchanged.
+
+    A transformers ``PreTrainedModel`` also gets torch_bq's transformers quantizer
+    (:func:`torch_bq.hf.attach_quantizer`): its ``save_pretrained`` then writes a
+    ``quantization_config`` and torch_bq's stored layout, exactly as if the model had
+    been loaded with ``from_pretrained(..., quantization_config=TorchBQConfig(format=...))``,
+    so the directory reloads bit-exactly and plain transformers refuses it. A model
+    carrying another transformers quantizer is refused (``ValueError``).
     """
     from .experts import experts_spec
 
     cls = module_class_for(format)
+    hf = _hf_for(model)  # before anything changes: it may refuse the model
     if format in ("bf16", "fp32w"):
         options.setdefault("keep_fp32", format == "fp32w")
     exclude_re = _compile_regex(exclude, "exclude")
@@ -261,6 +275,10 @@ def quantize_(
             report.experts.append(name)
     report.bytes_before = before
     report.bytes_after = _unique_bytes([t for _, m, _ in replacements for t in m.buffers()])
+    if hf is not None and replacements:
+        hf.attach_quantizer(model, hf.TorchBQConfig(
+            exclude=exclude if filter_fn is None else None, quantize_experts=experts,
+            **{k: options[k] for k in ("rounding", "act_quant", "act_peak") if k in options}))
     return report
 
 
@@ -314,23 +332,6 @@ def _refuse_while_unfilled(module: nn.Module, name: str) -> None:
         handle.remove()  # filled since: the module works as usual from now on
 
     handle = module.register_forward_pre_hook(hook)
-
-
-def experts_layout(reader: CheckpointReader, prefix: str):
-    """``(layout, format, options)`` of the experts stored under ``prefix``, or ``None`` if not quantized experts."""
-    from .expert_checkpoint import stacked_experts_format
-
-    if f"{prefix}.gate_up_proj_blocks" in reader:
-        return "gpt-oss", "fp4", {}
-    fmt = stacked_experts_format(reader, prefix)
-    if fmt is not None:
-        return "torch_bq", fmt, {}
-    for projections in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
-        gate = f"{prefix}.0.{projections[0]}"
-        layout = quantized_layout(reader, gate)
-        if layout is not None:
-            return "deepseek", layout.format, {"projections": projections}
-    return None
 
 
 def _load_experts_module(reader: CheckpointReader, name: str, module: nn.Module, spec, found, device,
@@ -406,9 +407,13 @@ def load_quantized_(
 
     Everything is read and validated before the model is touched; on any
     error (missing tensors, bad shapes, NaN codes) the model is unchanged.
+    A transformers ``PreTrainedModel`` that receives quantized modules gets
+    torch_bq's transformers quantizer, as in :func:`quantize_`, so that its
+    ``save_pretrained`` writes a directory transformers cannot misread.
     """
     from .experts import QuantizedExperts, experts_spec
 
+    hf = _hf_for(model)  # before anything changes: it may refuse the model
     with open_checkpoint(source) as reader:
         loaded: dict[str, nn.Module] = {}
         report = LoadReport()
@@ -490,6 +495,8 @@ def load_quantized_(
     _retie(model, tie_of, dense)
     if not strict:
         _mark_unfilled(model, report)
+    if hf is not None and loaded:
+        hf.attach_quantizer(model, hf.TorchBQConfig(act_quant=act_quant, act_peak=act_peak))
     return report
 
 
@@ -514,8 +521,6 @@ def _retie(model: nn.Module, tie_of: dict[str, list[str]], loaded: dict[str, tor
 
 def _mark_unfilled(model: nn.Module, report: LoadReport) -> None:
     """Modules whose own tensors are still on meta: list them, warn, and make calling them raise."""
-    import warnings
-
     for name, module in model.named_modules():
         own = [*module._parameters.values(), *module._buffers.values()]
         if any(t is not None and t.is_meta for t in own):
@@ -528,14 +533,6 @@ def _mark_unfilled(model: nn.Module, report: LoadReport) -> None:
             stacklevel=3,
         )
 
-
-def quantized_layout(reader: CheckpointReader, prefix: str):
-    """The layout of ``prefix`` if the checkpoint holds it quantized, else ``None``."""
-    names = [prefix + s for s in SCALE_SUFFIXES] + [f"{prefix}_blocks"]
-    if not any(n in reader for n in names):
-        return None
-    layout = detect_linear(reader, prefix)
-    return layout if layout.format in ("fp8", "fp4", "nvfp4") else None
 
 # =========================================================================== #
 # convert_checkpoint
@@ -749,7 +746,10 @@ def convert_checkpoint(
     quantizers); stacked float experts (transformers' fused ``{p}.gate_up_proj`` /
     ``{p}.down_proj``, 3-D, in either orientation) become torch_bq's stacked
     ``[E, N, K]`` data + ``{p}.gate_up_proj_scale`` / ``{p}.down_proj_scale``, quantized
-    per expert; every other tensor is copied unchanged. Output shard ``i`` holds
+    per expert; every other tensor is copied unchanged. The codes are stored with
+    the trailing unit axis their records name (``[N, K, 1]``, ``[E, N, K, 1]``; see
+    :mod:`torch_bq.checkpoint.stored`), so that no reader unaware of torch_bq takes
+    them for the dense weights; torch_bq's loaders read them in natural shapes. Output shard ``i`` holds
     the converted tensors of input shard ``i``, so at most one input shard's
     worth of quantized tensors plus one float tensor is in memory. ``dst`` gets
     ``model-XXXXX-of-XXXXX.safetensors`` files, ``model.safetensors.index.json``,
@@ -821,7 +821,8 @@ def convert_checkpoint(
                         prefix = name.rpartition(".")[0]
                         out[name], out[f"{name}_scale"] = _quantize_stacked(
                             t, plan[name] == "experts_transposed", format, block, scale_dtype, rounding, name)
-                        if name.endswith(".gate_up_proj"):
+                        # in every shard holding either projection: its codes are stored per its record
+                        if prefix not in records:
                             records[prefix] = LayerRecord(
                                 format, tuple(block) if format == "fp8" else (1, 32),
                                 scale_dtype if format == "fp8" else torch.float8_e8m0fnu,
@@ -850,8 +851,10 @@ def convert_checkpoint(
                         summary["copied"].append(name)
                     del t
                     bar.step(name)
-                _save_shard(out, stage.path / out_name, {"format": "pt", **encode_records(records)})
                 summary["bytes_out"] += sum(v.numel() * v.element_size() for v in out.values())
+                stored, meta = to_stored(out, records)
+                _save_shard(stored, stage.path / out_name, {"format": "pt", **meta})
+                del stored
                 weight_map.update({k: out_name for k in out})
                 summary["files"].append(out_name)
                 del out

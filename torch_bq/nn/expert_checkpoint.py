@@ -19,7 +19,8 @@ experts of a layer live and how to stack them.
 ``"torch_bq"`` the module's own state dict, stacked: ``{p}.gate_up_proj``         ``FP8Experts`` or
                ``[E, 2I, .]`` + ``{p}.gate_up_proj_scale``, ``{p}.down_proj`` +   ``FP4Experts``
                ``{p}.down_proj_scale``, optional ``{p}.*_bias`` (what
-               ``save_pretrained`` of a torch_bq model writes)
+               ``save_pretrained`` of a torch_bq model writes; files
+               store the codes with a trailing unit axis, read back natural)
 =============  ==============================================================  ================
 
 gpt-oss's gate/up rows stay interleaved as stored; DeepSeek's ``w1`` and ``w3``

@@ -4,8 +4,9 @@ The output is what :func:`~torch_bq.nn.convert_checkpoint` writes: ``safetensors
 shards named ``model-XXXXX-of-XXXXX.safetensors``, ``model.safetensors.index.json``,
 and, for a Hugging Face model (one with ``model.config.to_dict()``), ``config.json``
 with torch_bq's ``quantization_config``. Each shard's ``__metadata__`` records the
-format, block, scale dtype and ``[N, K]`` of every torch_bq linear whose weight it
-holds, so :meth:`FP8Linear.from_checkpoint`, :func:`load_quantized_` and
+format, block, scale dtype and ``[N, K]`` of every torch_bq linear (and experts
+module) whose weight it holds, and stores their codes with the trailing unit axis
+of :mod:`torch_bq.checkpoint.stored`, so :meth:`FP8Linear.from_checkpoint`, :func:`load_quantized_` and
 ``inspect`` read them back instead of inferring them from shapes. Nothing is
 pickled. The directory appears all at once (written beside it, then renamed).
 """
@@ -20,7 +21,8 @@ from typing import Union
 import torch
 from torch import nn
 
-from ..checkpoint import INDEX_NAME, LayerRecord, encode_records, quantization_config
+from ..checkpoint import INDEX_NAME, LayerRecord, quantization_config, to_stored
+from ..checkpoint.record import UNIT_AXIS_LEAVES as _LEAVES
 from ._staging import StagedDirectory
 from .linear import BF16Linear, FP4Linear, FP8Linear, NVFP4Linear
 
@@ -31,10 +33,16 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 
 def layer_records(model: nn.Module) -> dict[str, LayerRecord]:
-    """``{module name: LayerRecord}`` for every torch_bq linear in ``model``."""
+    """``{module name: LayerRecord}`` for every torch_bq linear and experts module in ``model``."""
+    from .experts import FP4Experts, FP8Experts
+
     records = {}
     for name, m in model.named_modules():
-        if isinstance(m, FP8Linear):
+        if isinstance(m, FP8Experts):
+            rec = LayerRecord("fp8", tuple(m.block), m.scale_dtype)
+        elif isinstance(m, FP4Experts):
+            rec = LayerRecord("fp4", (1, 32), torch.float8_e8m0fnu)
+        elif isinstance(m, FP8Linear):
             rec = LayerRecord("fp8", tuple(m.block), m.weight_scale.dtype, m.in_features, m.out_features)
         elif isinstance(m, FP4Linear):
             rec = LayerRecord("fp4", (1, 32), torch.float8_e8m0fnu, m.in_features, m.out_features)
@@ -122,9 +130,9 @@ def save_quantized(
     with StagedDirectory(dst) as stage:
         for i, names in enumerate(groups):
             file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-            held = {p: r for p, r in records.items() if f"{p}.weight" in names}
-            meta = {"format": "pt", **encode_records(held)}
-            save_file({n: tensors[n] for n in names}, stage.path / file, metadata=meta)
+            held = {p: r for p, r in records.items() if any(f"{p}.{leaf}" in names for leaf in _LEAVES)}
+            stored, meta = to_stored({n: tensors[n] for n in names}, held)
+            save_file(stored, stage.path / file, metadata={"format": "pt", **meta})
             weight_map.update({n: file for n in names})
             files.append(file)
         total = sum(t.numel() * t.element_size() for t in tensors.values())
