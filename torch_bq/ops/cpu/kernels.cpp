@@ -928,7 +928,7 @@ void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
 // of the smallest weight quantum needs c >= kQuantumCode - e_a. fp8 NaN bytes
 // (0x7F, 0xFF) would not stay NaN under the add. A row group that breaks any
 // of these runs the per-lane-scale tiles above instead.
-constexpr int64_t kFoldedMinM = 2;
+constexpr int64_t kFoldedMinM = 4;
 constexpr int64_t kFoldRows = 8;
 constexpr int64_t kFoldGroups = 8;
 constexpr int kFoldMaxMT = 5;
@@ -948,22 +948,17 @@ struct Fold;
 template <>
 struct Fold<Fp8Dot> {
   static constexpr int kMinCode = 10, kMaxCode = 246, kQuantumCode = 17;
+  // Returns the mask of NaN bytes (0x7F, 0xFF), which would not stay NaN under the add.
   template <bool kMasked>
-  static void decode(const Fp8Dot& dec, const uint8_t* bytes, __mmask64 valid, __m512i e, uint16_t* dst) {
+  static __mmask64 decode(const Fp8Dot& dec, const uint8_t* bytes, __mmask64 valid, __m512i e, uint16_t* dst) {
+    const __m512i raw = kMasked ? _mm512_maskz_loadu_epi8(valid, bytes) : _mm512_loadu_si512(bytes);
     __m512i w0, w1;
-    dec.bytes(kMasked ? _mm512_maskz_loadu_epi8(valid, bytes) : _mm512_loadu_si512(bytes), w0, w1);
+    dec.bytes(raw, w0, w1);
     const __m512i magnitude = _mm512_set1_epi16(0x7FFF);  // +-0 keep their bits
     _mm512_store_si512(dst, _mm512_mask_add_epi16(w0, _mm512_test_epi16_mask(w0, magnitude), w0, e));
     _mm512_store_si512(dst + 32, _mm512_mask_add_epi16(w1, _mm512_test_epi16_mask(w1, magnitude), w1, e));
-  }
-  static bool bytes_ok(const uint8_t* row, int64_t row_bytes) {  // no NaN code (0x7F, 0xFF)
     const __m512i seven_f = _mm512_set1_epi8(0x7F);
-    for (int64_t b = 0; b < row_bytes; b += 64) {
-      const __mmask64 valid = row_bytes - b >= 64 ? ~__mmask64(0) : (__mmask64(1) << (row_bytes - b)) - 1;
-      const __m512i v = _mm512_maskz_loadu_epi8(valid, row + b);
-      if (_mm512_mask_cmpeq_epi8_mask(valid, _mm512_and_si512(v, seven_f), seven_f) != 0) return false;
-    }
-    return true;
+    return _mm512_cmpeq_epi8_mask(_mm512_and_si512(raw, seven_f), seven_f);
   }
 };
 
@@ -974,7 +969,7 @@ struct Fold<Fp4Dot> {
   // block's exponent, 16-31 the second's (on the nonzero entries: 0 and 8 are
   // +-0); index bit 4 picks the block.
   template <bool kMasked>
-  static void decode(const Fp4Dot& dec, const uint8_t* bytes, __mmask32 valid, __m512i e, uint16_t* dst) {
+  static __mmask64 decode(const Fp4Dot& dec, const uint8_t* bytes, __mmask32 valid, __m512i e, uint16_t* dst) {
     const __m512i table = _mm512_mask_add_epi16(dec.lut, 0xFEFEFEFEu, dec.lut, e);
     const __m256i raw = kMasked ? _mm256_maskz_loadu_epi8(valid, bytes) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
     const __m512i b = _mm512_cvtepu8_epi16(raw);
@@ -982,58 +977,66 @@ struct Fold<Fp4Dot> {
     const __m512i nibble = _mm512_set1_epi16(0x0F);
     _mm512_store_si512(dst, _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(b, nibble, second, 0xEA), table));
     _mm512_store_si512(dst + 32, _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 4), nibble, second, 0xEA), table));
+    return 0;  // every e2m1 code is finite
   }
-  static bool bytes_ok(const uint8_t*, int64_t) { return true; }
 };
 
+// The smallest code the folded path takes for this A (e_a = a_min_field - 127;
+// a_min_field 255: A is zero, kMinCode will do); above Fold<D>::kMaxCode: none.
 template <class D>
-bool fold_ok(const Problem& p, const uint8_t* row, const uint8_t* srow) {
-  // e_a = a_min_field - 127 (a_min_field 255: A is zero, kMinCode will do).
-  const int lowest = std::max(Fold<D>::kMinCode, p.a_min_field == 255 ? 0 : Fold<D>::kQuantumCode - (p.a_min_field - 127));
-  if (lowest > Fold<D>::kMaxCode) return false;
-  const __m512i lo = _mm512_set1_epi8(static_cast<char>(lowest)), hi = _mm512_set1_epi8(static_cast<char>(Fold<D>::kMaxCode));
-  for (int64_t b = 0; b < p.nblocks; b += 64) {
-    const __mmask64 valid = p.nblocks - b >= 64 ? ~__mmask64(0) : (__mmask64(1) << (p.nblocks - b)) - 1;
-    const __m512i c = _mm512_maskz_loadu_epi8(valid, srow + b);
-    if ((_mm512_mask_cmplt_epu8_mask(valid, c, lo) | _mm512_mask_cmpgt_epu8_mask(valid, c, hi)) != 0) return false;
-  }
-  return Fold<D>::bytes_ok(row, p.row_bytes);
+int lowest_fold_code(const Problem& p) {
+  return std::max(Fold<D>::kMinCode, p.a_min_field == 255 ? 0 : Fold<D>::kQuantumCode - (p.a_min_field - 127));
 }
 
-// Groups [g0, g0 + groups) of one weight row, scales folded, to dst (group gg at dst + gg * 64).
+// Groups [g0, g0 + groups) of one weight row, scales folded, to dst (group gg
+// at dst + gg * 64); false when a code or byte rules the folded path out.
 // Blocks past the row's end read code 0; their words are zero and stay so.
 template <class D>
-inline void fold_block(const D& dec, const Problem& p, const uint8_t* row, const uint8_t* srow, int64_t g0,
-                       int64_t groups, uint16_t* dst) {
+inline bool fold_block(const D& dec, const Problem& p, const uint8_t* row, const uint8_t* srow, int64_t g0,
+                       int64_t groups, int lowest, uint16_t* dst) {
   const int64_t b0 = 2 * g0, left = p.nblocks - b0;
   const __mmask16 cvalid = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-  const __m256i codes = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(cvalid, srow + b0));
+  const __m128i c8 = _mm_maskz_loadu_epi8(cvalid, srow + b0);
+  if ((_mm_mask_cmplt_epu8_mask(cvalid, c8, _mm_set1_epi8(static_cast<char>(lowest))) |
+       _mm_mask_cmpgt_epu8_mask(cvalid, c8, _mm_set1_epi8(static_cast<char>(Fold<D>::kMaxCode)))) != 0)
+    return false;
+  const __m256i codes = _mm256_cvtepu8_epi16(c8);
   const __m512i ev = _mm512_castsi256_si512(_mm256_slli_epi16(_mm256_sub_epi16(codes, _mm256_set1_epi16(127)), 7));
   const uint8_t* bytes = row + g0 * D::kGroupBytes;
+  __mmask64 bad = 0;
   if (groups == kFoldGroups && (g0 + kFoldGroups) * D::kGroupBytes <= p.row_bytes) {
 #pragma GCC unroll 8
     for (int64_t gg = 0; gg < kFoldGroups; ++gg)
-      Fold<D>::template decode<false>(dec, bytes + gg * D::kGroupBytes, 0, group_exponents(ev, gg), dst + gg * kGroup);
-    return;
+      bad |= Fold<D>::template decode<false>(dec, bytes + gg * D::kGroupBytes, 0, group_exponents(ev, gg), dst + gg * kGroup);
+  } else {
+    for (int64_t gg = 0; gg < groups; ++gg)
+      bad |= Fold<D>::template decode<true>(dec, bytes + gg * D::kGroupBytes, D::valid_bytes(p.row_bytes, g0 + gg),
+                                            group_exponents(ev, gg), dst + gg * kGroup);
   }
-  for (int64_t gg = 0; gg < groups; ++gg)
-    Fold<D>::template decode<true>(dec, bytes + gg * D::kGroupBytes, D::valid_bytes(p.row_bytes, g0 + gg),
-                                   group_exponents(ev, gg), dst + gg * kGroup);
+  return bad == 0;
 }
 
 // acc[MT rows][4 weight rows][kAcc] (+)= A[MT rows, groups] . w (row j's group gg at w + (j * kFoldGroups + gg) * 64).
 template <int MT>
-inline void folded_tile(const uint16_t* w, int64_t groups, const uint16_t* a, int64_t stride, float* acc, bool first) {
+__attribute__((always_inline)) inline void folded_tile(const uint16_t* w, int64_t groups, const uint16_t* a, int64_t stride, float* acc, bool first) {
   constexpr int kAcc = MT <= 2 ? 2 : 1;
   __m512 r[MT][4][kAcc];
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < 4; ++j)
-      for (int h = 0; h < kAcc; ++h) r[i][j][h] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + ((i * 4 + j) * kAcc + h) * 16);
+  if (first) {
+    for (int i = 0; i < MT; ++i)
+      for (int j = 0; j < 4; ++j)
+        for (int h = 0; h < kAcc; ++h) r[i][j][h] = _mm512_setzero_ps();
+  } else {
+    for (int i = 0; i < MT; ++i)
+      for (int j = 0; j < 4; ++j)
+        for (int h = 0; h < kAcc; ++h) r[i][j][h] = _mm512_loadu_ps(acc + ((i * 4 + j) * kAcc + h) * 16);
+  }
   for (int64_t gg = 0; gg < groups; ++gg) {
     __m512bh w0[4], w1[4];
     for (int j = 0; j < 4; ++j) {
       w0[j] = (__m512bh)_mm512_load_si512(w + (j * kFoldGroups + gg) * kGroup);
       w1[j] = (__m512bh)_mm512_load_si512(w + (j * kFoldGroups + gg) * kGroup + 32);
+      // Held in registers: left to itself, GCC re-loads them for every row at MT = 3 (30 loads per 24 vdpbf16ps).
+      asm("" : "+v"(w0[j]), "+v"(w1[j]));
     }
     for (int i = 0; i < MT; ++i) {
       const __m512bh a0 = (__m512bh)_mm512_loadu_si512(a + i * stride + gg * kGroup);
@@ -1069,8 +1072,9 @@ bool folded_rows(const D& dec, const Problem& p, int64_t M, int64_t n0, int64_t 
   for (int64_t j = 0; j < rows; ++j) {
     wrows[j] = w.data + (n0 + j) * w.row_stride;
     srows[j] = static_cast<const uint8_t*>(w.scale) + ((n0 + j) / w.bn) * w.scale_stride;
-    if (!fold_ok<D>(p, wrows[j], srows[j])) return false;
   }
+  const int lowest = lowest_fold_code<D>(p);
+  if (lowest > Fold<D>::kMaxCode) return false;
   const int64_t slots = M <= 2 ? 2 : 1;  // the accumulators per (row, weight row) of folded_tile<MT>
   const int64_t tiles = (M + kFoldMaxMT - 1) / kFoldMaxMT;
   buf.acc.resize(M * kFoldRows * slots * 16);
@@ -1081,11 +1085,17 @@ bool folded_rows(const D& dec, const Problem& p, int64_t M, int64_t n0, int64_t 
   for (int64_t g0 = 0; g0 < p.ngroups; g0 += kFoldGroups) {
     const int64_t groups = std::min(kFoldGroups, p.ngroups - g0);
     for (int64_t j = 0; j < rows; ++j) {
-      if (ahead)
+      if (ahead) {
         for (int64_t c = 0; c < groups * D::kGroupBytes; c += 64)
           _mm_prefetch(reinterpret_cast<const char*>(wrows[j] + kFoldRows * w.row_stride + g0 * D::kGroupBytes + c),
                        _MM_HINT_T0);
-      fold_block(dec, p, wrows[j], srows[j], g0, groups, buf.scratch + j * kFoldGroups * kGroup);
+        if (g0 % (4 * kFoldGroups) == 0)  // and its scales, 64 codes a line
+          _mm_prefetch(reinterpret_cast<const char*>(static_cast<const uint8_t*>(w.scale) +
+                                                     ((n0 + kFoldRows + j) / w.bn) * w.scale_stride + 2 * g0),
+                       _MM_HINT_T0);
+      }
+      if (!fold_block(dec, p, wrows[j], srows[j], g0, groups, lowest, buf.scratch + j * kFoldGroups * kGroup))
+        return false;  // only buf.acc has been written
     }
     // m-tiles outside the two 4-row halves: a tile's A rows serve both halves from L1.
     int64_t m0 = 0;
@@ -1106,13 +1116,21 @@ bool folded_rows(const D& dec, const Problem& p, int64_t M, int64_t n0, int64_t 
       m0 += mt;
     }
   }
-  for (int64_t j = 0; j < rows; ++j) {
-    const float* acc = buf.acc.data() + ((j / 4) * M * 4 + j % 4) * slots * 16;
-    for (int64_t m = 0; m < M; ++m) {
-      const float* r = acc + m * 4 * slots * 16;
-      const __m512 r0 = _mm512_loadu_ps(r);
-      p.out[m * p.N + n0 + j] = _mm512_reduce_add_ps(slots == 2 ? _mm512_add_ps(r0, _mm512_loadu_ps(r + 16)) : r0);
+  // out[m, n0:n0+8] = lane sums of the 8 accumulators of row m: halves of
+  // each, then a transposing horizontal-add tree, one store per row.
+  const __mmask8 store = static_cast<__mmask8>((1u << rows) - 1);
+  for (int64_t m = 0; m < M; ++m) {
+    __m256 v[kFoldRows];
+    for (int64_t j = 0; j < kFoldRows; ++j) {
+      const float* r = buf.acc.data() + (((j / 4) * M + m) * 4 + j % 4) * slots * 16;
+      __m512 x = _mm512_loadu_ps(r);
+      if (slots == 2) x = _mm512_add_ps(x, _mm512_loadu_ps(r + 16));
+      v[j] = _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
     }
+    const __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 q1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+    _mm256_mask_storeu_ps(p.out + m * p.N + n0, store, sums);
   }
   return true;
 }
@@ -1124,13 +1142,15 @@ bool linear(const WeightView& w, const float* A, int64_t M, int64_t N, float* ou
   const int64_t kp = (w.K + kGroup - 1) / kGroup * kGroup;
   // Rows one cache line longer than kp: with a row length that is a multiple
   // of 4 KiB, the rows of a K-block would all fall into the same L1 sets.
+  // The buffer starts on a cache line, so no 64-byte load of A straddles two.
   const int64_t a_stride = kp + 32;
-  std::vector<uint16_t> a(M * a_stride);
+  std::vector<uint16_t> a_buffer(M * a_stride + 32);
+  uint16_t* a = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(a_buffer.data()) + 63) & ~uintptr_t(63));
   int a_max_field = 0;
-  const int a_min_field = prepare_activation<D>(A, M, w.K, kp, a_stride, a.data(), &a_max_field);
+  const int a_min_field = prepare_activation<D>(A, M, w.K, kp, a_stride, a, &a_max_field);
   if (a_min_field < 0 || (a_min_field != 255 && a_min_field - 127 < D::kMinExponentA)) return false;
   static const D dec;
-  const Problem p{&w, a.data(), a_min_field, a_max_field, kp, a_stride, kp / kGroup, (w.K + 31) / 32, Fmt::row_bytes(w.K),
+  const Problem p{&w, a, a_min_field, a_max_field, kp, a_stride, kp / kGroup, (w.K + 31) / 32, Fmt::row_bytes(w.K),
                   out, N};
   constexpr int64_t kRowsPerTask = 16;  // a multiple of every NT and of kFoldRows
   if (M >= kFoldedMinM) {
