@@ -873,7 +873,7 @@ void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
 template <class D, int NT>
 void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
   // Row tiles of near-equal height <= kMaxMT (NT = 1, 2) or <= 3 (NT = 4).
-  constexpr int kMaxMT = NT == 4 ? 3 : 8;
+  constexpr int kMaxMT = NT == 4 ? 4 : 8;
   const int64_t tiles = (M + kMaxMT - 1) / kMaxMT;
   int64_t m0 = 0;
   for (int64_t t = 0; t < tiles; ++t) {
@@ -928,7 +928,7 @@ void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
 // of the smallest weight quantum needs c >= kQuantumCode - e_a. fp8 NaN bytes
 // (0x7F, 0xFF) would not stay NaN under the add. A row group that breaks any
 // of these runs the per-lane-scale tiles above instead.
-constexpr int64_t kFoldedMinM = 4;
+constexpr int64_t kFoldedMinM = 5;
 constexpr int64_t kFoldRows = 8;
 constexpr int64_t kFoldGroups = 8;
 constexpr int kFoldMaxMT = 5;
