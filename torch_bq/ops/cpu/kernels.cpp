@@ -639,19 +639,11 @@ void run_tasks(int64_t count, const Task& task) {
 //     s16 = e8m0 scales of the span (per row)
 //     for group g: w0, w1 = decode(W[n, g]); for m: t = dot(w0, A0) + dot(w1, A1)
 //                  acc[m][n] += t * s16[lanes of g]
-// Tiles: up to 3 rows, NT = 4 weight rows x MT = 1-3 rows with the per-lane
-// scales above. From 4 rows the scales move out of the inner loop: MXFP4
-// folds them into the decoded weights (fp4_scaled_tile), fp8 with row-block
-// scales into a per-task copy of A (fp8_prescaled_rows); both run NT = 4 x
-// MT <= 4 register tiles, one accumulator each, two vdpbf16ps per group;
-// from 5 rows the first row tile also stores the decoded weights to an L2
-// scratch that the later row tiles read (scratch_tile). Other fp8 blocks
-// (1 x 32) keep the per-lane scales: NT = 2 x MT <= 8 up to 8 rows, then
-// NT = 1 x MT <= 8. Tiles prefetch the weight rows two tiles ahead (and their
-// scales): short row streams do not train the hardware prefetchers.
-// Row tiles of 1-2 rows keep two accumulators per pair (one dependent
-// vdpbf16ps per group); still, M = 5 (two row tiles) costs 1.25-1.4x per row
-// what M = 4 does.
+// Tiles: up to 4 rows, NT = 4 weight rows x MT = 1-4 rows with the per-lane
+// scales above; from 5 rows the folded K-block tiles (section "From
+// kFoldedMinM rows" below). Other fp8 blocks (1 x 32) go the same way. Tiles
+// prefetch the weight rows ahead (and their scales): short row streams do not
+// train the hardware prefetchers.
 namespace dotbf16 {
 
 constexpr int64_t kGroup = 64;
@@ -872,7 +864,7 @@ void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
 
 template <class D, int NT>
 void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
-  // Row tiles of near-equal height <= kMaxMT (NT = 1, 2) or <= 3 (NT = 4).
+  // Row tiles of near-equal height <= kMaxMT (NT = 1, 2) or <= 4 (NT = 4).
   constexpr int kMaxMT = NT == 4 ? 4 : 8;
   const int64_t tiles = (M + kMaxMT - 1) / kMaxMT;
   int64_t m0 = 0;
@@ -899,35 +891,45 @@ void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
 // --------------------------------------------------------------------------
 //
 // A task's weight rows go in groups of kFoldRows (two 4-row register tiles).
-// For each K-block of kFoldGroups groups (256 elements), the group's rows are
+// For each K-block of kFoldGroups groups (512 elements), the group's rows are
 // decoded once, with their e8m0 block scales folded into the bf16 words (an
 // exponent add on every nonzero word, exact while the result is a normal bf16),
-// into an L1 scratch; then every row tile of A runs over that scratch:
-//   for row group (8 weight rows): acc[M][8] = 0
-//     for K-block kb: scratch[8][256] = decode(W[rows, kb]) * scale
-//       for 4-row half h: for m-tile (MT <= 5 rows, near-equal heights):
-//         acc[m-tile][h] += A[m-tile, kb] . scratch[h]      (vdpbf16ps)
-//     out[m, n] = sum of the lanes of acc[m][n]
-// So M = 2..64 read and decode the weight once, whatever M is; no row count
-// costs a second pass over the weight. Register tile: MT x 4 accumulators
-// (two per pair when MT <= 2, so that each has one dependent vdpbf16ps per
-// group) + 8 weight registers + 2 A registers <= 30 of the 32 zmm. The
-// accumulators of a row tile go to memory between K-blocks (one load and one
-// store per 8 vdpbf16ps). L1 per task: A's K-block (M x 512 bytes), the
-// scratch (4 KiB) and the accumulators (M x 512 bytes).
+// into an L1 scratch (8 KiB); then every row tile of A runs over that scratch:
+//   for row group (8 weight rows):
+//     for K-block kb: scratch[8][512] = decode(W[rows, kb]) * scale
+//       for m-tile (MT = 3..5 rows, near-equal heights): for 4-row half h:
+//         acc[m-tile][h] (+)= A[m-tile, kb] . scratch[h]      (vdpbf16ps)
+//     out[m, n0:n0+8] = lane sums of acc[m][0:8]              (one 8-wide store)
+// So every M from 5 up reads and decodes the weight once; a remainder row
+// costs a shorter row tile, never a second pass over the weight (the tiles
+// this replaced ran 4 rows per weight pass: M = 5 cost 1.2-1.7x per row what
+// M = 4 did). Register tile: MT x 4 accumulators + 8 weight registers + 2 A
+// registers <= 30 of the 32 zmm (MT <= 2 would keep two accumulators per
+// pair, so that each has one dependent vdpbf16ps per group). An m-tile's
+// accumulators go to memory between K-blocks (one load and one store per 16
+// vdpbf16ps); its A rows (MT x 1 KiB) serve both halves from L1. A's rows are
+// padded to a stride that is not a multiple of 4 KiB: otherwise all rows of a
+// K-block fall into the same L1 sets (32 rows, 12 ways). 1 thread, Zen 5:
+// about 0.82-0.9x of the vdpbf16ps peak inside the tile loop.
 //
-// The weight rows of the next row group are prefetched while this one is
-// decoded: the row streams are short (K bytes each), too short for the
-// hardware prefetchers to ramp up on their own.
+// Up to 4 rows the per-lane-scale tiles above run (NT = 4 weight rows x MT <= 4
+// rows in registers, one pass): there the decode, not the multiply, is the
+// cost, and the scratch round trip would add to it.
+//
+// The weight rows of the next row group (and their scale rows) are prefetched
+// while this one is decoded: the row streams are short (K bytes each), too
+// short for the hardware prefetchers to ramp up on their own.
 //
 // Folding is exact when every scaled word is a normal, finite bf16 and every
 // product a multiple of 2**-126 (so vdpbf16ps, which flushes subnormals, never
 // meets one): the smallest nonzero weight (fp8 2**-9, fp4 2**-1) times
 // 2**(c - 127) is normal for c >= kMinCode, the largest (448, 6) finite for
 // c <= kMaxCode, and an A value (a multiple of 2**(e_a - 7)) times a multiple
-// of the smallest weight quantum needs c >= kQuantumCode - e_a. fp8 NaN bytes
-// (0x7F, 0xFF) would not stay NaN under the add. A row group that breaks any
-// of these runs the per-lane-scale tiles above instead.
+// of the smallest weight quantum needs c >= kQuantumCode - e_a. The codes are
+// checked per K-block as they are loaded; a row group that meets one out of
+// range runs the per-lane-scale tiles instead (nothing of it is written
+// before its last K-block). fp8 bytes 0x7F / 0xFF are not weights
+// (docs/contract.md §1: loaders refuse them; the ops do not scan values).
 constexpr int64_t kFoldedMinM = 5;
 constexpr int64_t kFoldRows = 8;
 constexpr int64_t kFoldGroups = 8;
@@ -948,17 +950,14 @@ struct Fold;
 template <>
 struct Fold<Fp8Dot> {
   static constexpr int kMinCode = 10, kMaxCode = 246, kQuantumCode = 17;
-  // Returns the mask of NaN bytes (0x7F, 0xFF), which would not stay NaN under the add.
   template <bool kMasked>
-  static __mmask64 decode(const Fp8Dot& dec, const uint8_t* bytes, __mmask64 valid, __m512i e, uint16_t* dst) {
+  static void decode(const Fp8Dot& dec, const uint8_t* bytes, __mmask64 valid, __m512i e, uint16_t* dst) {
     const __m512i raw = kMasked ? _mm512_maskz_loadu_epi8(valid, bytes) : _mm512_loadu_si512(bytes);
     __m512i w0, w1;
     dec.bytes(raw, w0, w1);
     const __m512i magnitude = _mm512_set1_epi16(0x7FFF);  // +-0 keep their bits
     _mm512_store_si512(dst, _mm512_mask_add_epi16(w0, _mm512_test_epi16_mask(w0, magnitude), w0, e));
     _mm512_store_si512(dst + 32, _mm512_mask_add_epi16(w1, _mm512_test_epi16_mask(w1, magnitude), w1, e));
-    const __m512i seven_f = _mm512_set1_epi8(0x7F);
-    return _mm512_cmpeq_epi8_mask(_mm512_and_si512(raw, seven_f), seven_f);
   }
 };
 
@@ -969,7 +968,7 @@ struct Fold<Fp4Dot> {
   // block's exponent, 16-31 the second's (on the nonzero entries: 0 and 8 are
   // +-0); index bit 4 picks the block.
   template <bool kMasked>
-  static __mmask64 decode(const Fp4Dot& dec, const uint8_t* bytes, __mmask32 valid, __m512i e, uint16_t* dst) {
+  static void decode(const Fp4Dot& dec, const uint8_t* bytes, __mmask32 valid, __m512i e, uint16_t* dst) {
     const __m512i table = _mm512_mask_add_epi16(dec.lut, 0xFEFEFEFEu, dec.lut, e);
     const __m256i raw = kMasked ? _mm256_maskz_loadu_epi8(valid, bytes) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
     const __m512i b = _mm512_cvtepu8_epi16(raw);
@@ -977,7 +976,6 @@ struct Fold<Fp4Dot> {
     const __m512i nibble = _mm512_set1_epi16(0x0F);
     _mm512_store_si512(dst, _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(b, nibble, second, 0xEA), table));
     _mm512_store_si512(dst + 32, _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 4), nibble, second, 0xEA), table));
-    return 0;  // every e2m1 code is finite
   }
 };
 
@@ -989,7 +987,7 @@ int lowest_fold_code(const Problem& p) {
 }
 
 // Groups [g0, g0 + groups) of one weight row, scales folded, to dst (group gg
-// at dst + gg * 64); false when a code or byte rules the folded path out.
+// at dst + gg * 64); false when a code rules the folded path out.
 // Blocks past the row's end read code 0; their words are zero and stay so.
 template <class D>
 inline bool fold_block(const D& dec, const Problem& p, const uint8_t* row, const uint8_t* srow, int64_t g0,
@@ -1003,17 +1001,16 @@ inline bool fold_block(const D& dec, const Problem& p, const uint8_t* row, const
   const __m256i codes = _mm256_cvtepu8_epi16(c8);
   const __m512i ev = _mm512_castsi256_si512(_mm256_slli_epi16(_mm256_sub_epi16(codes, _mm256_set1_epi16(127)), 7));
   const uint8_t* bytes = row + g0 * D::kGroupBytes;
-  __mmask64 bad = 0;
   if (groups == kFoldGroups && (g0 + kFoldGroups) * D::kGroupBytes <= p.row_bytes) {
 #pragma GCC unroll 8
     for (int64_t gg = 0; gg < kFoldGroups; ++gg)
-      bad |= Fold<D>::template decode<false>(dec, bytes + gg * D::kGroupBytes, 0, group_exponents(ev, gg), dst + gg * kGroup);
+      Fold<D>::template decode<false>(dec, bytes + gg * D::kGroupBytes, 0, group_exponents(ev, gg), dst + gg * kGroup);
   } else {
     for (int64_t gg = 0; gg < groups; ++gg)
-      bad |= Fold<D>::template decode<true>(dec, bytes + gg * D::kGroupBytes, D::valid_bytes(p.row_bytes, g0 + gg),
-                                            group_exponents(ev, gg), dst + gg * kGroup);
+      Fold<D>::template decode<true>(dec, bytes + gg * D::kGroupBytes, D::valid_bytes(p.row_bytes, g0 + gg),
+                                     group_exponents(ev, gg), dst + gg * kGroup);
   }
-  return bad == 0;
+  return true;
 }
 
 // acc[MT rows][4 weight rows][kAcc] (+)= A[MT rows, groups] . w (row j's group gg at w + (j * kFoldGroups + gg) * 64).
@@ -1063,7 +1060,7 @@ struct FoldBuffers {
 
 // Weight rows [n0, n0 + rows) (rows <= kFoldRows; missing rows decode as zero
 // and are not written) for all M rows. False (nothing written) when a row's
-// codes or bytes rule the folded path out.
+// codes rule the folded path out.
 template <class D>
 bool folded_rows(const D& dec, const Problem& p, int64_t M, int64_t n0, int64_t rows, FoldBuffers& buf) {
   const WeightView& w = *p.w;
