@@ -639,11 +639,11 @@ void run_tasks(int64_t count, const Task& task) {
 //     s16 = e8m0 scales of the span (per row)
 //     for group g: w0, w1 = decode(W[n, g]); for m: t = dot(w0, A0) + dot(w1, A1)
 //                  acc[m][n] += t * s16[lanes of g]
-// Tiles: up to 4 rows, NT = 4 weight rows x MT = 1-4 rows with the per-lane
-// scales above; from 5 rows the folded K-block tiles (section "From
-// kFoldedMinM rows" below). Other fp8 blocks (1 x 32) go the same way. Tiles
-// prefetch the weight rows ahead (and their scales): short row streams do not
-// train the hardware prefetchers.
+// Tiles: few rows (fp8 up to 3, fp4 up to 4), NT = 4 weight rows x MT = 1-4
+// rows with the per-lane scales above; from there the folded K-block tiles
+// (section "From Fold<D>::kMinRows rows" below), for every e8m0 block height.
+// Tiles prefetch the weight rows ahead (and their scales): short row streams
+// do not train the hardware prefetchers.
 namespace dotbf16 {
 
 constexpr int64_t kGroup = 64;
@@ -887,7 +887,7 @@ void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
 }
 
 // --------------------------------------------------------------------------
-// From kFoldedMinM rows: the weight decoded once per K-block, used by every row
+// From Fold<D>::kMinRows rows: the weight decoded once per K-block, used by every row
 // --------------------------------------------------------------------------
 //
 // A task's weight rows go in groups of kFoldRows (two 4-row register tiles).
@@ -900,7 +900,7 @@ void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
 //       for m-tile (MT = 3..5 rows, near-equal heights): for 4-row half h:
 //         acc[m-tile][h] (+)= A[m-tile, kb] . scratch[h]      (vdpbf16ps)
 //     out[m, n0:n0+8] = lane sums of acc[m][0:8]              (one 8-wide store)
-// So every M from 5 up reads and decodes the weight once; a remainder row
+// So every M from there up reads and decodes the weight once; a remainder row
 // costs a shorter row tile, never a second pass over the weight (the tiles
 // this replaced ran 4 rows per weight pass: M = 5 cost 1.2-1.7x per row what
 // M = 4 did). Register tile: MT x 4 accumulators + 8 weight registers + 2 A
@@ -912,7 +912,7 @@ void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
 // K-block fall into the same L1 sets (32 rows, 12 ways). 1 thread, Zen 5:
 // about 0.82-0.9x of the vdpbf16ps peak inside the tile loop.
 //
-// Up to 4 rows the per-lane-scale tiles above run (NT = 4 weight rows x MT <= 4
+// Below that the per-lane-scale tiles above run (NT = 4 weight rows x MT <= 4
 // rows in registers, one pass): there the decode, not the multiply, is the
 // cost, and the scratch round trip would add to it.
 //
@@ -930,7 +930,6 @@ void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
 // range runs the per-lane-scale tiles instead (nothing of it is written
 // before its last K-block). fp8 bytes 0x7F / 0xFF are not weights
 // (docs/contract.md §1: loaders refuse them; the ops do not scan values).
-constexpr int64_t kFoldedMinM = 5;
 constexpr int64_t kFoldRows = 8;
 constexpr int64_t kFoldGroups = 8;
 constexpr int kFoldMaxMT = 5;
@@ -950,6 +949,7 @@ struct Fold;
 template <>
 struct Fold<Fp8Dot> {
   static constexpr int kMinCode = 10, kMaxCode = 246, kQuantumCode = 17;
+  static constexpr int64_t kMinRows = 4;  // per-lane 4 x 4 tiles measured 1.15-1.25x slower per row at M = 4
   template <bool kMasked>
   static void decode(const Fp8Dot& dec, const uint8_t* bytes, __mmask64 valid, __m512i e, uint16_t* dst) {
     const __m512i raw = kMasked ? _mm512_maskz_loadu_epi8(valid, bytes) : _mm512_loadu_si512(bytes);
@@ -964,6 +964,7 @@ struct Fold<Fp8Dot> {
 template <>
 struct Fold<Fp4Dot> {
   static constexpr int kMinCode = 2, kMaxCode = 252, kQuantumCode = 9;
+  static constexpr int64_t kMinRows = 5;  // at M = 4 the per-lane tiles were 1.1-1.2x faster
   // dec.lut holds the 16 e2m1 values twice: entries 0-15 get the first
   // block's exponent, 16-31 the second's (on the nonzero entries: 0 and 8 are
   // +-0); index bit 4 picks the block.
@@ -1150,7 +1151,7 @@ bool linear(const WeightView& w, const float* A, int64_t M, int64_t N, float* ou
   const Problem p{&w, a, a_min_field, a_max_field, kp, a_stride, kp / kGroup, (w.K + 31) / 32, Fmt::row_bytes(w.K),
                   out, N};
   constexpr int64_t kRowsPerTask = 16;  // a multiple of every NT and of kFoldRows
-  if (M >= kFoldedMinM) {
+  if (M >= Fold<D>::kMinRows) {
     run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
       thread_local FoldBuffers buf;
       const int64_t n_end = std::min(N, (t + 1) * kRowsPerTask);
