@@ -11,10 +11,10 @@ switches these registrations off (torch.library's ``set_kernel_enabled``).
 Tuning:
 
 * :func:`decode_max_m`: up to this many rows the weight is decoded inside the
-  dot product (once per call, whatever M is); above it, tiles or panels of the
-  weight are dequantized and fed to a GEMM (prefill). The boundary depends on
-  which decode kernels the build runs, on the format and on K
-  (``DECODE_MAX_M``: measured crossovers).
+  dot product (the AVX-512 BF16 kernels: once per call, whatever M is); above
+  it, tiles or panels of the weight are dequantized and fed to a GEMM
+  (prefill). The boundary depends on which decode kernels the build runs, on
+  the format and on K (``DECODE_MAX_M``: measured crossovers).
 * ``PANEL_BYTES``: the fp32 panel size of the prefill path where it runs at::mm
   (the generic build, or MKLDNN switched off); the microkernel path of the
   other builds uses fixed 64-row tiles (see kernels.cpp).
