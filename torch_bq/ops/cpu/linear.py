@@ -38,14 +38,16 @@ __all__ = ["DECODE_MAX_M", "PANEL_BYTES", "decode_max_m", "fp8_linear", "fp4_lin
 # faster per row, measured on 1 thread (a lower limit would put a cliff in the
 # time per row); ``python -m benchmarks.ggml_side_by_side --crossover`` measures
 # it (docs/benchmarks.md). "long_k" (K, M): above this K, M at most this.
-# AVX-512 BF16 (Zen 5, 2026-12-01, against the bf16 brgemm prefill tiles): the
-# folded decode tiles decode the weight once for all rows, so decode stays
-# ahead up to M = 128 at K = 2880 and 4096 and up to 96 at K = 14336.
+# AVX-512 BF16 (Zen 5, 2026-12-01): the folded decode tiles decode the weight
+# once for all rows; against main's bf16 brgemm prefill tiles decode stayed
+# ahead up to M = 128 at K = 2880 and 4096 and to 96 at K = 14336, against the
+# gemm branch's vdpbf16ps prefill tiles (merged for the measurement) fp8 to
+# 96-128 and fp4 to 48-64: the limits hold for both.
 # AVX2 (against fp32 panels): the panels win from M = 9 at K = 33024, where the
 # AVX2 tiles' activation rows no longer sit in L2 beside the weight row.
 # Re-measure when either path changes.
 DECODE_MAX_M = {
-    "avx512_bf16": {"fp8": 128, "fp4": 128, "long_k": (8192, 96)},
+    "avx512_bf16": {"fp8": 96, "fp4": 64, "long_k": None},
     "avx2": {"fp8": 16, "fp4": 16, "long_k": (16384, 8)},
     "generic": {"fp8": 16, "fp4": 16, "long_k": None},
 }
