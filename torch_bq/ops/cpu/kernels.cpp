@@ -910,7 +910,7 @@ void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
 // vdpbf16ps); its A rows (MT x 1 KiB) serve both halves from L1. A's rows are
 // padded to a stride that is not a multiple of 4 KiB: otherwise all rows of a
 // K-block fall into the same L1 sets (32 rows, 12 ways). 1 thread, Zen 5:
-// about 0.82-0.9x of the vdpbf16ps peak inside the tile loop.
+// 0.80-0.89x of the vdpbf16ps peak in the tile loop alone (L1 data, MT = 3-5).
 //
 // Below that the per-lane-scale tiles above run (NT = 4 weight rows x MT <= 4
 // rows in registers, one pass): there the decode, not the multiply, is the
