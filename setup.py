@@ -11,9 +11,8 @@ from setuptools import find_packages, setup
 version = re.search(r'^__version__ = "(.+)"$', Path("torch_bq/__init__.py").read_text(), re.M).group(1)
 # The ISA levels and their flags, shared with the run-time loader (imports nothing).
 isa = runpy.run_path("torch_bq/ops/cpu/isa.py")
-# The sources of each level's library (kernels.cpp defines the op library, the others add to it;
-# torch_bq/ops/_backend.py: CPU_KERNEL_SOURCES).
-SOURCES = (Path("torch_bq/ops/cpu/kernels.cpp"), Path("torch_bq/ops/cpu/attention.cpp"))
+# The sources of each level's library (the JIT fallback builds the same list).
+SOURCES = tuple(Path("torch_bq/ops/cpu", name) for name in isa["SOURCES"])
 
 
 def cpu_kernel_extensions():

@@ -4,9 +4,12 @@ For every weight shape ``N x K`` and row count ``M``, in one process and one run
 
 * ``fp8``, ``fp4``: ``torch_bq.ops.fp8_linear`` (32x32 e8m0 blocks) and
   ``fp4_linear`` (MXFP4), bf16 activations, activation qdq included, bf16 output;
-* ``fp8-kernel``, ``fp4-kernel``: the one compiled kernel call those ops make,
-  on operands prepared ahead (the activation already qdq'd): the op minus its
-  Python and dispatch layers, which a cold cache makes cost ~0.3 ms per call;
+* ``fp8-module``, ``fp4-module`` (M = 1 only): ``FP8Linear`` / ``FP4Linear``
+  holding the same weight, called on the same activation (``module(x)``);
+* ``fp8-kernel``, ``fp4-kernel``: the compiled kernel call alone, on operands
+  prepared ahead (the activation already qdq'd, fp32 output): what the op and
+  the modules would cost without any Python, argument checks, qdq or output
+  rounding around the kernel;
 * ``q8_0``, ``mxfp4``: ggml's ``mul_mat`` on the same-size weight in its
   q8_0 / MXFP4 formats (ggml quantizes the activation to q8_0 inside the call;
   MXFP4 weights sit in ggml's CPU "repack" buffer where ggml has a repacked
@@ -52,6 +55,7 @@ import ctypes
 import json
 import os
 import platform
+import random
 import shutil
 import statistics
 import subprocess
@@ -233,7 +237,12 @@ def load() -> str:
 
 
 class Timer:
-    """Interleaved, cold-cache, median thread-CPU time of several callables."""
+    """Interleaved, cold-cache, median thread-CPU time of several callables.
+
+    The order of the callables is shuffled every round (seeded): the flush empties
+    the data caches but not all of the instruction cache and branch predictors,
+    so a fixed order would hand each callable the leftovers of the same neighbour.
+    """
 
     def __init__(self, reps: int):
         import torch
@@ -245,8 +254,10 @@ class Timer:
         for fn in fns.values():  # warm-up: code paths, allocator, graph set-up
             fn()
         samples = {name: [] for name in fns}
-        for _ in range(self.reps):
-            for name, fn in fns.items():
+        order = list(fns.items())
+        for rep in range(self.reps):
+            random.Random(rep).shuffle(order)
+            for name, fn in order:
                 self.flush.sum()
                 start = time.thread_time()
                 fn()
@@ -307,6 +318,7 @@ def bench_isa(isa: str, ggml_lib: Path, shapes, rows, reps: int, with_torchao: b
     import torch.nn.functional as F
 
     from torch_bq import formats, ops
+    from torch_bq import nn as bqnn
     from torch_bq.ops import _backend
 
     from torch_bq.ops.cpu import linear as fast
@@ -338,6 +350,7 @@ def bench_isa(isa: str, ggml_lib: Path, shapes, rows, reps: int, with_torchao: b
         d8b, s8b = formats.as_fp8_bytes(d8), formats.as_e8m0_codes(s8)
         p4b, s4b = formats.as_fp4_bytes(p4), formats.as_e8m0_codes(s4)
         max8, max4 = fast.decode_max_m(kernels, "fp8", k), fast.decode_max_m(kernels, "fp4", k)
+        mod8, mod4 = bqnn.FP8Linear.from_quantized(d8, s8), bqnn.FP4Linear.from_quantized(p4, s4)
         for m in rows:
             x = torch.randn(m, k, dtype=torch.bfloat16)
             q8.prepare(x)
@@ -352,6 +365,9 @@ def bench_isa(isa: str, ggml_lib: Path, shapes, rows, reps: int, with_torchao: b
                 "mxfp4": mx.run,
                 "bf16": lambda: F.linear(x, w_bf16),
             }
+            if m == 1:
+                fns["fp8-module"] = lambda: mod8(x)
+                fns["fp4-module"] = lambda: mod4(x)
             for name, lin in ao.items():
                 fns[name] = lambda lin=lin: lin(x)
             t = timer(fns)
@@ -360,7 +376,7 @@ def bench_isa(isa: str, ggml_lib: Path, shapes, rows, reps: int, with_torchao: b
             print(f"  [{isa}] {n}x{k} M={m}: " + ", ".join(f"{key} {v * 1e3:.3f}" for key, v in t.items())
                   + " ms", flush=True)
         meta["mxfp4_repacked"] = mx.repacked
-        del q8, mx
+        del q8, mx, mod8, mod4
     meta["torchao"] = ao_note
     meta["load_end"] = load()
     return {"meta": meta, "results": results}
@@ -407,6 +423,21 @@ def per_row_table(run: dict) -> str:
     for m in sorted({r["m"] for r in rows}):
         cells = [f"{by[(n, k, m)][fmt + '-kernel'] / m * 1e6:.1f}" if (n, k, m) in by else "" for n, k, fmt in cols]
         out.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def m1_table(run: dict) -> str:
+    """M = 1 per shape: the public op, the module and the kernel call alone, each over ggml's time."""
+    rows = [r for r in run["results"] if r["m"] == 1 and "fp8-module" in r]
+    if not rows:
+        return ""
+    out = [f"| {run['meta']['isa']}, M = 1 | fp8 op/q8_0 | fp8 module/q8_0 | fp8 kernel/q8_0 | fp4 op/mxfp4 | "
+           "fp4 module/mxfp4 | fp4 kernel/mxfp4 | q8_0 ms | mxfp4 ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['n']}x{r['k']} | {r['fp8'] / r['q8_0']:.2f} | {r['fp8-module'] / r['q8_0']:.2f} | "
+                   f"{r['fp8-kernel'] / r['q8_0']:.2f} | {r['fp4'] / r['mxfp4']:.2f} | "
+                   f"{r['fp4-module'] / r['mxfp4']:.2f} | {r['fp4-kernel'] / r['mxfp4']:.2f} | "
+                   f"{r['q8_0'] * 1e3:.3f} | {r['mxfp4'] * 1e3:.3f} |")
     return "\n".join(out)
 
 
@@ -492,6 +523,8 @@ def report(runs: list[dict]) -> None:
               f"torch {meta['torch']}; read bandwidth {meta['bandwidth'] / 1e9:.1f} GB/s; "
               f"load average {meta['load_start']} -> {meta['load_end']}")
         print(ratio_table(run))
+        print()
+        print(m1_table(run))
         print()
         print(summary(run))
         print(per_row_table(run))

@@ -119,7 +119,7 @@ def table(results: list) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (torch_bq uses as many)")
-    parser.add_argument("--rows", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--rows", type=int, nargs="+", default=[128, 256, 512, 1024])
     parser.add_argument("--reps", type=int, default=5, help="interleaved rounds; medians are reported")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N shapes only")
     parser.add_argument("--shape", type=int, nargs=2, metavar=("N", "K"), help="this shape only")

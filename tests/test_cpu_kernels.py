@@ -351,10 +351,12 @@ def test_bf16_prefill_leaves_tiles_that_could_meet_a_subnormal_to_fp32():
     has enough weight in the subnormal range to fail the bound if it were flushed."""
     level = "avx512_bf16"
     torch.manual_seed(2)
-    n, k = 130, 96
+    rows = _backend.cpu_kernels(level).prefill_task_rows()  # three tasks: rows, rows and 2 weight rows
+    assert rows % 32 == 0
+    n, k = 2 * rows + 2, 96
     m = fast.DECODE_MAX_M[level]["fp8"] + 4  # past the decode path: the prefill tiles are what is tested
     data = formats.quantize_fp8(torch.randn(n, k))[0].view(torch.uint8).clone()
-    data[64:96] = 0x08 | (data[64:96] & 0x80)  # e4m3 2**-6, signs kept
+    data[rows : rows + 32] = 0x08 | (data[rows : rows + 32] & 0x80)  # e4m3 2**-6, signs kept
     x = torch.randn(m, k)
 
     def run(codes, x, act_quant=False, scale=None):
@@ -364,10 +366,10 @@ def test_bf16_prefill_leaves_tiles_that_could_meet_a_subnormal_to_fp32():
         assert_linear_close(y, operand(x, act_quant), w)
         return (prefill_counts(level) - before)[:2].tolist()  # [bf16 tiles, fp32 tiles]
 
-    normal = torch.full((5, 3), 127, dtype=torch.uint8)
+    normal = torch.full(((n + 31) // 32, 3), 127, dtype=torch.uint8)
     assert run(normal, x, act_quant=True) == [3, 0]
     small = normal.clone()
-    small[2, :] = 5  # rows 64..95 (e4m3 2**-6 each, below): weights 2**-128, fp32 subnormals
+    small[rows // 32, :] = 5  # the 32 rows set above (e4m3 2**-6 each): weights 2**-128, fp32 subnormals
     assert run(small, x) == [2, 1]
     tiny_x = x.clone()
     tiny_x[3, :] = 1e-39 * x[3].sign()  # a row of bf16 subnormals in A: every tile
@@ -376,12 +378,12 @@ def test_bf16_prefill_leaves_tiles_that_could_meet_a_subnormal_to_fp32():
     # whose lowest bit is 2**-36 (code 100) fall below 2**-126, with 2**-9 (code 127) they do not.
     low_x = torch.randint(1, 8, (m, k)) * torch.randn(m, k).sign() * 2.0**-100
     quiet = normal.clone()
-    quiet[4, :] = 100  # rows 128..129
+    quiet[-1, :] = 100  # the last two rows: the third task
     assert run(quiet, low_x) == [2, 1]
-    assert run(None, x, scale=torch.rand(5, 3) + 0.5) == [0, 3]
-    # bf16 weights: scanned while copied; rows 64..127 subnormal (2**-130 and below)
+    assert run(None, x, scale=torch.rand(normal.shape) + 0.5) == [0, 3]
+    # bf16 weights: scanned while copied; the second task's rows subnormal (2**-130 and below)
     w = torch.randn(n, k)
-    w[64:128] *= 2.0**-130
+    w[rows : 2 * rows] *= 2.0**-130
     before = prefill_counts(level)
     y = BF16[level](x, w.to(torch.bfloat16), None, torch.float32)
     assert (prefill_counts(level) - before)[:2].tolist() == [2, 1]
@@ -391,16 +393,56 @@ def test_bf16_prefill_leaves_tiles_that_could_meet_a_subnormal_to_fp32():
 @pytest.mark.parametrize("level", LEVELS)
 def test_prefill_panels_do_not_shrink_with_large_k(level):
     """K = 33024: a 4 MiB fp32 budget would give 31-row panels; they stay at 64 rows (at::mm path)
-    and the microkernel tiles are 64 rows whatever K is."""
+    and the microkernel tasks are 64 (96 with AVX512_BF16) rows whatever K is."""
     torch.manual_seed(3)
-    n, k = 130, 33024
+    task_rows = _backend.cpu_kernels(level).prefill_task_rows()
+    n, k = 2 * task_rows + 2, 33024
     d, s = formats.quantize_fp8(torch.randn(n, k), (1, 32))
     rows = max(limits["fp8"] for limits in fast.DECODE_MAX_M.values()) + 1  # on the prefill path at every level
     x = torch.randn(rows, k)
     before = prefill_counts(level)
     y = FP8[level](x, d, s, None, [1, 32], True, 224.0, torch.float32)
-    assert int((prefill_counts(level) - before).sum()) == 3  # ceil(130 / 64)
+    assert int((prefill_counts(level) - before).sum()) == 3  # ceil(n / task_rows)
     assert_linear_close(y, operand(x, True), formats.dequantize_fp8(d, s, (1, 32), torch.float32))
+
+
+PREFILL_EDGES = [
+    # (M, N offset from 2 tasks, K, block, scale dtype): M, N and K off every tile and chunk size
+    # (16-row A vectors, 64-row A blocks, 6-row register tiles, tasks, 1024-wide K chunks, bf16 pairs)
+    (97, 13, 1031, (1, 32), torch.uint8),  # last A block 33 rows (3 vectors, one lane), odd K past a chunk
+    (130, 7, 2050, (32, 32), torch.float8_e8m0fnu),  # last A block 2 rows; K = two chunks and 2
+    (71, 1, 200, (128, 128), torch.float32),  # DeepSeek scales: the fp32 microkernel at every level
+    (65, 5, 33, (1, 32), torch.uint8),  # K not a multiple of 32: a partial last block
+]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("m, extra, k, block, scale_dtype", PREFILL_EDGES)
+def test_prefill_tile_edges(level, m, extra, k, block, scale_dtype):
+    """Prefill at shapes that leave a remainder in every tile dimension; dropping any tile edge
+    (the last rows of a task or register tile, the last A rows of a block, the last K pair or
+    chunk) leaves outputs without their terms, which the derived bound catches."""
+    torch.manual_seed(m + k)
+    n = 2 * _backend.cpu_kernels(level).prefill_task_rows() + extra
+    before = prefill_counts(level)
+    d, s = formats.quantize_fp8(torch.randn(n, k), block, scale_dtype)
+    x = torch.randn(m, k)
+    bias = torch.randn(n)
+    y = FP8[level](x, d, s, bias, list(block), True, 224.0, torch.float32)
+    assert_linear_close(y, operand(x, True), formats.dequantize_fp8(d, s, block, torch.float32), bias)
+    p, s4 = formats.quantize_fp4(torch.randn(n, k))
+    y4 = FP4[level](x, p, s4, None, True, 224.0, torch.float32)
+    assert_linear_close(y4, operand(x, True), formats.dequantize_fp4(p, s4, k, torch.float32))
+    w = torch.randn(n, k)
+    y16 = BF16[level](x, w.to(torch.bfloat16), None, torch.float32)
+    assert_linear_close(y16, x.to(torch.bfloat16), w.to(torch.bfloat16))
+    y32 = FP32W[level](x, w, None, torch.bfloat16)
+    assert_linear_close(y32, x.to(torch.bfloat16), w.to(torch.bfloat16))
+    grown = prefill_counts(level) - before
+    if level != "generic":  # (at::mm panels there: as many rows as 4 MiB of fp32 holds)
+        assert int(grown.sum()) == 4 * 3, grown  # the four ops ran three prefill tasks each
+    if level == "avx512_bf16" and scale_dtype != torch.float32:
+        assert int(grown[1]) == 0, grown  # e8m0 weights and normal A: all on the bf16 tiles
 
 
 # --------------------------------------------------------------------------- #
@@ -464,6 +506,72 @@ def test_decode_kernels_and_boundary_per_level(level):
     for fmt in ("fp8", "fp4"):
         assert fast.decode_max_m(kernels, fmt, 4096) == fast.DECODE_MAX_M[isa][fmt]
         assert 1 <= fast.decode_max_m(kernels, fmt, 1 << 20) <= fast.DECODE_MAX_M[isa][fmt]
+
+
+# Row counts that give each tile shape of the decode kernels (NT = 4 x MT = 1-3 up to M = 3,
+# then NT = 1 x MT = 4-8 in near-equal row tiles) and a few splits into several tiles.
+ONE_HOT_ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 13, 16]
+
+
+def one_hot_products(linear, k, dtype=torch.float32):
+    """``linear(x)`` for x = the rows of the K x K identity, M rows per call for each M of
+    ONE_HOT_ROWS: row m of x selects weight column m alone, so out[m, n] = 1 * w[n, m]
+    exactly (one product; every other product is a zero) whatever the summation order.
+    Yields (M, out [K, N]) with the calls' rows stacked."""
+    eye = torch.eye(k, dtype=dtype)
+    for m in ONE_HOT_ROWS:
+        yield m, torch.cat([linear(eye[k0 : k0 + m]) for k0 in range(0, k, m)])
+
+
+@impls
+@pytest.mark.parametrize("block", [(1, 32), (32, 32)])
+def test_fp8_every_byte_at_every_block_position(impl, block, path):
+    """Every finite E4M3 byte at each of the 32 positions of a block (the AVX2 decoder permutes
+    the elements of a block; fp8_blocks32 / the F16C loop decode them), under scale codes the
+    whole-block path takes (0, 1, 120, 127, 134) and ones it must leave to the general loop
+    (135, 200, 246), isolated by one-hot activations: each output is one weight element,
+    compared exactly with the dequantized weight (K = 288: nine blocks, no remainder)."""
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    n, k = len(finite), 288
+    nn_, kk = torch.meshgrid(torch.arange(n), torch.arange(k), indexing="ij")
+    data = finite[(nn_ + 7 * kk) % n]  # column k holds every byte once, at a different row
+    codes = torch.tensor([0, 1, 120, 127, 134, 135, 200, 246, 127], dtype=torch.uint8)
+    scale = codes.repeat(-(-n // block[0]), 1)
+    if block == (32, 32):
+        scale = scale.view(torch.float8_e8m0fnu)
+    w = formats.dequantize_fp8(data, scale, block, torch.float32)
+    assert torch.isfinite(w).all()
+
+    def linear(x):
+        return FP8[impl](x, data, scale, None, list(block), False, 224.0, torch.float32)
+
+    for m, y in one_hot_products(linear, k):
+        torch.testing.assert_close(y, w.t(), rtol=0, atol=0, msg=lambda e: f"M={m} {block} {path}: {e}")
+
+
+@impls
+@pytest.mark.parametrize("k", [288, 97])
+def test_fp4_every_nibble_at_every_group_position(impl, k, path):
+    """Every e2m1 nibble (low and high) at each of the 64 positions of a two-block group (the
+    AVX2 decoder's output order is a permutation of the group) and in the F16C remainder (a
+    trailing single block at K = 288; a partial block and the odd padding nibble at K = 97),
+    under scale codes 0, 1, 2, 127, 130, 250, 252 (6 * 2**125 is still finite), isolated by
+    one-hot activations and compared exactly with the dequantized weight."""
+    n = 16
+    nn_, kk = torch.meshgrid(torch.arange(n), torch.arange(k), indexing="ij")
+    nibbles = ((nn_ + kk) % 16).to(torch.uint8)  # column k holds every nibble once
+    padded = torch.nn.functional.pad(nibbles, (0, k % 2))
+    packed = (padded[:, 0::2] | (padded[:, 1::2] << 4)).contiguous()
+    codes = torch.tensor([0, 1, 2, 127, 130, 250, 252, 127, 1, 0], dtype=torch.uint8)[: -(-k // 32)]
+    scale = codes.repeat(n, 1)
+    w = formats.dequantize_fp4(packed, scale, k, torch.float32)
+    assert torch.isfinite(w).all()
+
+    def linear(x):
+        return FP4[impl](x, packed, scale, None, False, 224.0, torch.float32)
+
+    for m, y in one_hot_products(linear, k):
+        torch.testing.assert_close(y, w.t(), rtol=0, atol=0, msg=lambda e: f"M={m} K={k} {path}: {e}")
 
 
 @impls

@@ -1,5 +1,6 @@
 """NVFP4 (docs/formats.md): bit-exact decoding against hand-written tables, the quantizer,
-validation, the ``torch_bq::nvfp4_linear`` op and ``NVFP4Linear``."""
+validation, the ``torch_bq::nvfp4_linear`` op (the reference and the fast CPU kernel of
+torch_bq/ops/cpu/nvfp4.cpp at every ISA level this CPU has) and ``NVFP4Linear``."""
 
 import math
 
@@ -12,7 +13,12 @@ from torch import nn
 
 from torch_bq import formats, ops, reference
 from torch_bq.nn import NVFP4Linear
+from torch_bq.ops import _backend
+from torch_bq.ops.cpu import linear as fast
 from torch_bq.testing import activations, assert_linear_close, nvfp4_weights
+
+# The fast kernels of each ISA level, run with that level selected (fails, never falls back, when it did not build).
+from test_cpu_kernels import HAS_COMPILER, LEVELS, at_level  # noqa: E402
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -188,19 +194,25 @@ def test_quantizer_rejects_bad_input():
 # the op
 # --------------------------------------------------------------------------- #
 
-IMPLS = {"reference": reference.nvfp4_linear, "op": torch.ops.torch_bq.nvfp4_linear}
+# "op" dispatches (the fast kernel at the best level, where it built); each level runs its own kernels.
+IMPLS = {
+    "reference": reference.nvfp4_linear,
+    "op": torch.ops.torch_bq.nvfp4_linear,
+    **{level: at_level(level, fast.nvfp4_linear) for level in LEVELS},
+}
 
 
 def operand(x, act_quant):
     return formats.qdq_fp8(x, 224.0) if act_quant else x.to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("impl", ["reference", "op"])
+@pytest.mark.parametrize("impl", list(IMPLS))
 @given(weight=nvfp4_weights(), act_quant=st.booleans(), with_bias=st.booleans(),
        out_dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.float16]), data=st.data())
 def test_nvfp4_linear_matches_float64(impl, weight, act_quant, with_bias, out_dtype, data):
+    """Row counts on both sides of the fast kernel's decode / prefill boundary (``decode_max_m``)."""
     n = weight.packed.shape[0]
-    x = data.draw(activations(weight.in_features, max_exponent=4))
+    x = data.draw(activations(weight.in_features, max_rows=24, max_exponent=4))
     bias = torch.randn(n) if with_bias else None
     y = IMPLS[impl](x, weight.packed, weight.scale, weight.scale_2, bias, act_quant, 224.0, out_dtype)
     assert y.dtype == out_dtype and y.shape == (x.shape[0], n)
@@ -262,6 +274,230 @@ def test_input_gradient():
     w = formats.dequantize_nvfp4(packed, scale, s2).double()
     torch.testing.assert_close(grad_x, g.float().double() @ w, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad_b, g.float().sum(0).double(), rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- #
+# the fast CPU kernel (torch_bq/ops/cpu/nvfp4.cpp) against the reference, every level
+# --------------------------------------------------------------------------- #
+
+TWINS = ["reference", *LEVELS]
+twins = pytest.mark.parametrize("impl", TWINS)
+ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 23, 24, 25, 33, 40, 64, 65]
+
+
+@pytest.fixture(params=["decode", "prefill", "auto"])
+def path(request, monkeypatch):
+    """Every M on the decode path, every M on the prefill path, or the boundary left to decode_max_m."""
+    if request.node.callspec.params.get("impl") == "reference" and request.param != "auto":
+        pytest.skip("the reference has no decode / prefill paths")
+    if request.param == "decode":
+        monkeypatch.setattr(fast, "decode_max_m", lambda kernels, fmt, k: 1 << 30)
+    elif request.param == "prefill":
+        monkeypatch.setattr(fast, "decode_max_m", lambda kernels, fmt, k: 0)
+    return request.param
+
+
+@twins
+# K: whole 16-blocks, one block, a partial last block, odd K (a padding nibble), K < 16, K = 1.
+@pytest.mark.parametrize("k", [128, 16, 97, 130, 15, 1])
+def test_fast_every_row_count(impl, path, k):
+    torch.manual_seed(k)
+    n = 21  # odd: not a multiple of the 4- or 2-row tiles or the 16-row tasks
+    packed, scale, s2 = formats.quantize_nvfp4(torch.randn(n, k))
+    w = formats.dequantize_nvfp4(packed, scale, s2, k)
+    x = torch.randn(max(ROW_COUNTS), k) * 4.0
+    for m in ROW_COUNTS:
+        for act_quant in (True, False):
+            y = IMPLS[impl](x[:m], packed, scale, s2, None, act_quant, 224.0, torch.float32)
+            assert_linear_close(y, operand(x[:m], act_quant), w, msg=f"{path} M={m} act_quant={act_quant}")
+
+
+@twins
+@pytest.mark.parametrize("rows", [(0,), (1,), (3,), (2, 9), (40,)], ids=str)
+def test_fast_bias_out_dtypes_and_activation_dtypes(impl, rows):
+    torch.manual_seed(len(rows) + rows[0])
+    n, k = 37, 70
+    packed, scale, s2 = formats.quantize_nvfp4(torch.randn(n, k) * 3.0)
+    w = formats.dequantize_nvfp4(packed, scale, s2, k)
+    x = torch.randn(*rows, k)
+    cases = [(x, None, False, torch.bfloat16), (x.to(torch.bfloat16), torch.randn(n, dtype=torch.float16), True,
+             torch.float32), (x.to(torch.float16), torch.randn(n, dtype=torch.bfloat16), False, torch.float16),
+             (x.double(), torch.randn(n, dtype=torch.float64), True, torch.float32)]
+    for xi, bias, act_quant, out_dtype in cases:
+        y = IMPLS[impl](xi, packed.view(torch.int8), scale, s2.reshape(1), bias, act_quant, 448.0, out_dtype)
+        assert y.dtype == out_dtype and y.shape == (*rows, n)
+        a = formats.qdq_fp8(xi, 448.0) if act_quant else xi.to(torch.bfloat16)
+        assert_linear_close(y, a, w, bias, msg=f"{xi.dtype} act_quant={act_quant} {out_dtype}")
+
+
+EXTREME_CODES = (0x01, 0x02, 0x07, 0x08, 0x09, 0x7E, 0x77, 0x38, 0x06, 0x7D)
+SUBNORMAL_CODES = (0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x01, 0x07, 0x03)
+
+
+def extreme_weight(s2: float, n: int = 10, k: int = 160, codes=EXTREME_CODES) -> tuple:
+    """Every nibble against every extreme e4m3 scale byte (default: the subnormals 0x01..0x07, the
+    smallest normals, 0x7E = 448, the top of a binade); blocks of one row mix them."""
+    codes = torch.tensor(codes, dtype=torch.uint8)
+    scale = torch.stack([codes.roll(i) for i in range(n)])
+    g = torch.Generator().manual_seed(n)
+    nibbles = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32).to(torch.uint8)
+    nibbles[:, :16] = torch.arange(16, dtype=torch.uint8)  # every nibble at every code (the roll)
+    return formats.pack_fp4(nibbles), scale.view(torch.float8_e4m3fn), torch.tensor(s2, dtype=torch.float32)
+
+
+@twins
+@pytest.mark.parametrize("m", [1, 3, 5, 40])
+@pytest.mark.parametrize("codes, s2", [
+    (EXTREME_CODES, 2.0**-120), (EXTREME_CODES, 0.1 * 2.0**-118), (EXTREME_CODES, 1.0), (EXTREME_CODES, 0.0123),
+    (SUBNORMAL_CODES, 0.1 * 2.0**-135), (SUBNORMAL_CODES, 2.0**-140),
+], ids=["2^-120", "0.1x2^-118", "1", "0.0123", "subnormal codes, 0.1x2^-135", "subnormal codes, 2^-140"])
+def test_fast_subnormal_scales_and_float32_subnormal_weights(impl, m, codes, s2, path):
+    """e4m3 subnormal block scales, and per-tensor scales that make fp32(e2m1 * e4m3) * s2 an fp32
+    subnormal. With only subnormal block scales and s2 of 0.1 x 2**-135 (itself an fp32 subnormal) or
+    2**-140, every weight is at most about 2**6 quanta of 2**-149, so the reference's rounding of
+    each one to that grid changes it by up to a third: a kernel that formed the weights otherwise
+    (s2 factored out of the sum, a bf16 rounding, a flushed subnormal) misses the bound. Activations
+    near 2**100 keep every product a normal float."""
+    packed, scale, s2_t = extreme_weight(s2, codes=codes)
+    w = formats.dequantize_nvfp4(packed, scale, s2_t)
+    if s2 < 1e-30:
+        assert bool(((w != 0) & (w.abs() < torch.finfo(torch.float32).tiny)).any())  # there are subnormal weights
+    torch.manual_seed(m)
+    x = torch.randn(m, w.shape[1]) * (2.0**100 if s2 < 1e-30 else 1.0)
+    y = IMPLS[impl](x, packed, scale, s2_t, None, False, 224.0, torch.float32)
+    assert_linear_close(y, x.to(torch.bfloat16), w)
+
+
+@twins
+@pytest.mark.parametrize("m", [1, 3, 4, 33])
+@pytest.mark.parametrize("exponent", [-110, -125, -131])
+def test_fast_tiny_activations(impl, m, exponent, path):
+    """bf16 activations near and below the normal range (subnormal at 2**-131) against large
+    weights: fp32 FMAs keep them (a kernel built on vdpbf16ps would read them as zero)."""
+    torch.manual_seed(-exponent)
+    x = (torch.randn(m, 96) * 2.0**exponent).to(torch.bfloat16)
+    packed, scale, s2 = formats.quantize_nvfp4(torch.randn(20, 96) * 2.0**40)
+    y = IMPLS[impl](x, packed, scale, s2, None, False, 224.0, torch.float32)
+    assert_linear_close(y, x, formats.dequantize_nvfp4(packed, scale, s2))
+
+
+@twins
+@pytest.mark.parametrize("m", [1, 4, 40])
+def test_fast_weights_that_overflow_to_inf(impl, m, path):
+    """With s2 = 2**120, 2 x 448 x s2 rounds to inf (as the reference decodes it), 0.5 x 448 x s2 stays
+    finite. With positive activations, weight row 0 (infs of both signs) gives NaN, row 1 (non-negative
+    nibbles) +inf, rows 5-9 (scale 1.0: finite weights) finite values: whatever the summation order."""
+    packed, scale, s2 = extreme_weight(2.0**120)
+    k = 160
+    nibbles = formats.unpack_fp4(packed, k)
+    nibbles[1] &= 7
+    packed = formats.pack_fp4(nibbles)
+    scale = scale.view(torch.uint8).clone()
+    scale[5:] = 0x38
+    w = formats.dequantize_nvfp4(packed, scale, s2)
+    assert bool(torch.isinf(w[:5]).any()) and bool(torch.isfinite(w[5:]).all())
+    torch.manual_seed(m)
+    x = torch.randn(m, k).abs() * 2.0**-100
+    got = IMPLS[impl](x, packed, scale, s2, None, False, 224.0, torch.float32)
+    assert bool(torch.isnan(got[:, 0]).all()) and bool((got[:, 1] == torch.inf).all())
+    want = reference.nvfp4_linear(x, packed, scale, s2, None, False, 224.0, torch.float32)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(torch.isinf(got), torch.isinf(want))
+    inf = torch.isinf(want)
+    assert torch.equal(got[inf], want[inf])
+    assert_linear_close(got[:, 5:], x.to(torch.bfloat16), w[5:])
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="needs the compiled kernels")
+@pytest.mark.parametrize("level", LEVELS)
+def test_fast_decode_kernels_boundary_and_prefill_gemm_per_level(level):
+    """AVX-512 levels run 16-lane decode tiles, avx2 8-lane ones, generic scalar ones; the boundary
+    follows them. The prefill path runs kernels.cpp's fp32 microkernel (at::mm panels on generic),
+    never the bf16 one: an NVFP4 weight is not exact in bf16."""
+    kernels = _backend.cpu_kernels(level)
+    assert kernels is not None, f"{level} did not load"
+    isa = kernels.nvfp4_decode_isa()
+    assert isa == {"generic": "generic", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512"}[level]
+    assert fast.decode_max_m(kernels, "nvfp4", 4096) == fast.NVFP4_DECODE_MAX_M[isa]
+    torch.manual_seed(2)
+    packed, scale, s2 = formats.quantize_nvfp4(torch.randn(130, 96), weight_scale_2=torch.tensor(1.0))  # bf16-exact
+    x = torch.randn(fast.NVFP4_DECODE_MAX_M[isa] + 1, 96)
+    before = torch.tensor(kernels.prefill_counts())
+    y = IMPLS[level](x, packed, scale, s2, None, False, 224.0, torch.float32)
+    grown = torch.tensor(kernels.prefill_counts()) - before
+    expected = 2 if level == "generic" else 1  # [bf16 tiles, fp32 tiles, at::mm panels]
+    assert grown[expected] > 0 and grown.sum() == grown[expected], grown
+    assert_linear_close(y, x.to(torch.bfloat16), formats.dequantize_nvfp4(packed, scale, s2))
+
+
+@pytest.mark.parametrize("impl", LEVELS)
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_fast_threads_and_determinism(impl, m):
+    """Decode rows are each summed by one task in a fixed order: the same bits at 1 and 2 threads."""
+    torch.manual_seed(m)
+    n, k = 300, 520
+    packed, scale, s2 = formats.quantize_nvfp4(torch.randn(n, k))
+    x = torch.randn(m, k)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            y = IMPLS[impl](x, packed, scale, s2, None, True, 224.0, torch.float32)
+            assert torch.equal(y, IMPLS[impl](x, packed, scale, s2, None, True, 224.0, torch.float32))
+            assert_linear_close(y, operand(x, True), formats.dequantize_nvfp4(packed, scale, s2))
+            results.append(y)
+    finally:
+        torch.set_num_threads(before)
+    if m <= fast.decode_max_m(_backend.cpu_kernels(impl), "nvfp4", k):
+        assert torch.equal(results[0].view(torch.int32), results[1].view(torch.int32))
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="needs the compiled kernels")
+def test_op_dispatches_to_the_fast_kernel_and_set_kernel_enabled_switches_it_off(monkeypatch):
+    torch.manual_seed(0)
+    packed, scale, s2 = formats.quantize_nvfp4(torch.randn(40, 64))
+    x = torch.randn(3, 64)
+    kernels, calls = _backend.cpu_kernels(), []
+    monkeypatch.setattr(_backend, "cpu_kernels", lambda: calls.append(1) or kernels)
+    y = ops.nvfp4_linear(x, packed, scale, s2)
+    assert len(calls) == 1
+    with ops.fast_kernels_disabled("cpu"):
+        y_ref = ops.nvfp4_linear(x, packed, scale, s2)
+    assert len(calls) == 1  # the reference body ran
+    assert torch.equal(y_ref, reference.nvfp4_linear(x, packed, scale, s2, None, False, 224.0, torch.bfloat16))
+    assert_linear_close(y, x.to(torch.bfloat16), formats.dequantize_nvfp4(packed, scale, s2))
+    ops.nvfp4_linear(x, packed, scale, s2)
+    assert len(calls) == 2
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="needs the compiled kernels")
+@pytest.mark.parametrize("level", LEVELS)
+def test_opcheck_runs_the_fast_kernel_of_each_level(level):
+    """opcheck (schema, fake tensors, autograd registration, AOT dispatch) with the op dispatching to
+    the fast kernel of ``level``, on both sides of its decode / prefill boundary."""
+    torch.manual_seed(1)
+    packed, scale, s2 = formats.quantize_nvfp4(torch.randn(20, 45))
+    previous = _backend.set_cpu_isa_cap(level)
+    try:
+        kernels = _backend.cpu_selection().ops
+        assert _backend.cpu_selection().isa == level and kernels is not None
+        limit = fast.decode_max_m(kernels, "nvfp4", 45)
+        for m, act_quant in ((1, False), (limit + 1, True)):
+            x = torch.randn(m, 45, dtype=torch.bfloat16)
+            torch.library.opcheck(torch.ops.torch_bq.nvfp4_linear,
+                                  (x, packed, scale.view(torch.uint8), s2, None, act_quant, 224.0, torch.float32))
+    finally:
+        _backend.set_cpu_isa_cap(previous)
+
+
+def test_fast_kernel_raises_the_reference_errors():
+    packed, scale, s2 = formats.quantize_nvfp4(torch.randn(8, 40))
+    with pytest.raises(ValueError, match=r"weight: expected shape \[N, 21\]"):
+        fast.nvfp4_linear(torch.randn(2, 41), packed, scale, s2, None, False, 224.0, torch.bfloat16)
+    with pytest.raises(TypeError, match="weight_scale_2"):
+        fast.nvfp4_linear(torch.randn(2, 40), packed, scale, s2.double(), None, False, 224.0, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"bias: expected shape \[8\]"):
+        fast.nvfp4_linear(torch.randn(2, 40), packed, scale, s2, torch.zeros(9), False, 224.0, torch.bfloat16)
 
 
 # --------------------------------------------------------------------------- #

@@ -321,17 +321,26 @@ class FP8Linear(_RecordsBlock, _QuantizedLinear):
         return self.weight_scale.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ops.fp8_linear(
-            x,
-            self.weight,
-            self.weight_scale,
-            self.bias,
-            block=self.block,
-            act_quant=self.act_quant,
-            act_peak=self.act_peak,
-            out_dtype=op_out_dtype(x),
-        )
-        return finish_output(y, x)
+        dtype = x.dtype
+        # op_out_dtype / finish_output inlined, and the op's eager fast path tried first: at M = 1
+        # every Python call and tensor attribute read costs microseconds from a cold cache.
+        out_dtype = dtype if dtype in _OP_OUT_DTYPES else torch.float32
+        y = None
+        if not torch.compiler.is_compiling():
+            y = ops.fp8_linear_direct(x, self.weight, self.weight_scale, self.bias, self.block, self.act_quant,
+                                      self.act_peak, out_dtype)
+        if y is None:
+            y = ops.fp8_linear(
+                x,
+                self.weight,
+                self.weight_scale,
+                self.bias,
+                block=self.block,
+                act_quant=self.act_quant,
+                act_peak=self.act_peak,
+                out_dtype=out_dtype,
+            )
+        return y if out_dtype == dtype else y.to(dtype)
 
     def extra_repr(self) -> str:
         spec = self.format.describe(self.block, self.format.scale_encoding(self.weight_scale))
@@ -509,16 +518,23 @@ class FP4Linear(_QuantizedLinear):
         self.register_buffer("bias", _bias_buffer(bias, out_features, device, dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ops.fp4_linear(
-            x,
-            self.weight,
-            self.weight_scale,
-            self.bias,
-            act_quant=self.act_quant,
-            act_peak=self.act_peak,
-            out_dtype=op_out_dtype(x),
-        )
-        return finish_output(y, x)
+        dtype = x.dtype
+        out_dtype = dtype if dtype in _OP_OUT_DTYPES else torch.float32
+        y = None
+        if not torch.compiler.is_compiling():
+            y = ops.fp4_linear_direct(x, self.weight, self.weight_scale, self.bias, self.act_quant, self.act_peak,
+                                      out_dtype)
+        if y is None:
+            y = ops.fp4_linear(
+                x,
+                self.weight,
+                self.weight_scale,
+                self.bias,
+                act_quant=self.act_quant,
+                act_peak=self.act_peak,
+                out_dtype=out_dtype,
+            )
+        return y if out_dtype == dtype else y.to(dtype)
 
     def extra_repr(self) -> str:
         return (

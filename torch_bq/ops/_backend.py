@@ -49,6 +49,7 @@ __all__ = [
     "register_fast_kernel",
     "report_backend",
     "fast_kernels_disabled",
+    "direct_call_allowed",
 ]
 
 
@@ -194,8 +195,6 @@ def neuron_lnc() -> int:
 # --------------------------------------------------------------------------- #
 
 CPU_KERNEL_SOURCE = Path(__file__).parent / "cpu" / "kernels.cpp"
-# Every source of one level's library (kernels.cpp defines the op library, the others add to it).
-CPU_KERNEL_SOURCES = (CPU_KERNEL_SOURCE, CPU_KERNEL_SOURCE.parent / "attention.cpp")
 # Where setup.py puts the libraries it builds at install time (next to the source).
 INSTALLED_DIR = CPU_KERNEL_SOURCE.parent
 
@@ -385,7 +384,7 @@ def _jit_build(level: str) -> Path:
         # module, so Python's development headers are not needed.
         path = cpp_extension.load(
             name=name,
-            sources=[str(path) for path in CPU_KERNEL_SOURCES],
+            sources=[str(CPU_KERNEL_SOURCE.parent / source) for source in isa.SOURCES],
             extra_cflags=isa.compile_flags(level),
             extra_ldflags=list(isa.LINK_FLAGS),
             build_directory=str(build_dir),
@@ -544,6 +543,28 @@ def fast_kernels_disabled(device_type: str = "cpu"):
             if device == device_type:
                 stack.enter_context(op.set_kernel_enabled(device, False))
         yield
+
+
+def direct_call_allowed(op, device_type: str) -> bool:
+    """Whether an eager call of ``op`` (a ``CustomOpDef``) may run its ``device_type`` fast kernel directly.
+
+    A direct call skips the dispatcher, so it is allowed only where the dispatcher
+    would end up in that kernel anyway and nothing watches the op from above it:
+    no TorchFunctionMode, no TorchScript trace, no functorch transform, and the
+    kernel not switched off (:func:`fast_kernels_disabled`, ``set_kernel_enabled``:
+    read from torch.library's record of switched-off kernels,
+    ``CustomOpDef._disabled_kernel``; without that record, never allowed). Callers
+    check ``torch.compiler.is_compiling()`` first (so that dynamo never traces this),
+    and refuse tensor subclasses, TorchDispatchModes and autograd themselves.
+    """
+    disabled = getattr(op, "_disabled_kernel", None)
+    return not (
+        disabled is None
+        or device_type in disabled
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._get_tracing_state() is not None
+        or torch._C._are_functorch_transforms_active()
+    )
 
 
 def backend_info() -> dict:

@@ -14,7 +14,34 @@ import torch
 from .. import formats
 from ..reference import linear as ref
 
-__all__ = ["fp8_linear", "fp4_linear", "nvfp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8"]
+__all__ = ["fp8_linear", "fp4_linear", "fp8_linear_direct", "fp4_linear_direct", "nvfp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8"]
+
+
+#: op name -> a backend's eager direct call (``torch_bq.ops.cpu.linear.direct_fp8_linear``, ...):
+#: the op's positional arguments, the result or ``None`` when the op must be called.
+_direct: dict = {}
+
+
+def register_direct(name: str, fn) -> None:
+    """Let op ``name``'s public wrapper try ``fn`` before the dispatcher (eager calls only)."""
+    _direct[name] = fn
+
+
+def fp8_linear_direct(x, weight, scale, bias, block, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
+    """The eager fast path of :func:`fp8_linear`: its result, or ``None`` where the op must be called.
+
+    For callers that checked ``block`` and ``act_peak`` once (the modules) and are
+    not under ``torch.compile`` (check ``torch.compiler.is_compiling()`` first).
+    Positional arguments of the op; ``block`` a ``(bn, bk)`` tuple of ints.
+    """
+    direct = _direct.get("fp8_linear")
+    return None if direct is None else direct(x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
+
+
+def fp4_linear_direct(x, weight, scale, bias, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
+    """The eager fast path of :func:`fp4_linear`, or ``None``; see :func:`fp8_linear_direct`."""
+    direct = _direct.get("fp4_linear")
+    return None if direct is None else direct(x, weight, scale, bias, act_quant, act_peak, out_dtype)
 
 
 def _out_like(x: torch.Tensor, n, out_dtype: torch.dtype) -> torch.Tensor:
@@ -111,9 +138,17 @@ def fp8_linear(
     Returns:
         ``[..., N]`` of ``out_dtype``.
     """
-    return torch.ops.torch_bq.fp8_linear(
-        x, weight, scale, bias, list(formats.check_block(block)), act_quant, float(act_peak), out_dtype
-    )
+    if block is not formats.FP8.default_block:  # the default needs no check
+        block = formats.check_block(block)
+    act_peak = float(act_peak)
+    # Eager CPU calls go straight to the kernel where that is safe (see register_direct):
+    # the custom-op layers cost more than an M = 1 kernel call on small weights.
+    direct = None if torch.compiler.is_compiling() else _direct.get("fp8_linear")
+    if direct is not None:
+        y = direct(x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
+        if y is not None:
+            return y
+    return torch.ops.torch_bq.fp8_linear(x, weight, scale, bias, list(block), act_quant, act_peak, out_dtype)
 
 
 def fp4_linear(
@@ -141,7 +176,13 @@ def fp4_linear(
     Returns:
         ``[..., N]`` of ``out_dtype``.
     """
-    return torch.ops.torch_bq.fp4_linear(x, weight, scale, bias, act_quant, float(act_peak), out_dtype)
+    act_peak = float(act_peak)
+    direct = None if torch.compiler.is_compiling() else _direct.get("fp4_linear")
+    if direct is not None:
+        y = direct(x, weight, scale, bias, act_quant, act_peak, out_dtype)
+        if y is not None:
+            return y
+    return torch.ops.torch_bq.fp4_linear(x, weight, scale, bias, act_quant, act_peak, out_dtype)
 
 
 def nvfp4_linear(

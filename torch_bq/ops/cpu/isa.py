@@ -12,6 +12,10 @@ install time that the JIT fallback builds at run time.
 
 from __future__ import annotations
 
+# The C++ sources of one level's library, in this directory: kernels.cpp defines
+# the op library, the others add fragments to it (TORCH_BQ_LIBRARY_FRAGMENT).
+SOURCES = ("kernels.cpp", "attention.cpp", "nvfp4.cpp")
+
 # Lowest first. A level needs every CPU feature of the levels below it.
 LEVELS = ("generic", "avx2", "avx512", "avx512_bf16")
 

@@ -10,8 +10,11 @@
 // the build machine's CPU; _backend picks the library to load from the CPU it
 // runs on. Each level registers its own internal op namespace
 // `torch.ops.torch_bq_cpu_<level>.*`, so several can live in one process; the
-// public `torch_bq::` ops call them from torch_bq/ops/cpu/linear.py, which
-// also prepares the inputs (A as fp32 [M, K], weight bytes, scale codes).
+// public `torch_bq::` ops call them from torch_bq/ops/cpu/linear.py: the
+// one-call entry points fp8_linear_op / fp4_linear_op (section "public-op
+// entry points": the op's own operands in, its result out), or, for calls
+// those refuse, the kernels below on inputs linear.py prepared (A as fp32
+// [M, K], weight bytes, scale codes).
 //
 // Layout and numerics
 // -------------------
@@ -30,24 +33,27 @@
 //   the dot product; the decoded weight never reaches memory:
 //     for n-tile (NT rows): for m-tile (MT rows): for k-block b: s = scale[n/bn, b]
 //       for 16-wide chunk: w = decode16(W[n, k:k+16]) * s; acc[m][n] += A[m, k:k+16] * w
-//   Tiles: NT = 4 weight rows x MT = 1-2 activation rows when M <= 3 (decode-
-//   bound: one A load serves four rows), else NT = 1 x MT = 8 / 4 (FMA-bound:
-//   one decode serves eight rows). Single-row tiles with e8m0 scales factor
-//   the (power-of-two) scale out of each block's partial sum, which is exact;
-//   for fp8 with 32-wide blocks they instead run fp8_row_blocks32, one whole
-//   block per iteration with the integer decoder below (scales up to 2**7;
-//   the rest of the row falls back to the general loop at a larger one), and
-//   fp4 runs fp4_row_blocks32 against a copy of A whose 32-blocks are
-//   permuted (even elements, then odd) to match the nibble order, so the
-//   decoder needs no interleave.
+//   Tiles: NT = 4 weight rows x MT = M activation rows when M <= 3 (decode-
+//   bound: one A load serves four rows), else NT = 1 x MT <= 8 in row tiles
+//   of near-equal height (FMA-bound: one decode serves up to eight rows).
+//   Single-row tiles with e8m0 scales factor the (power-of-two) scale out of
+//   each block's partial sum, which is exact.
+//   With 32-wide e8m0 blocks, tiles of every shape run the F16C-free
+//   whole-block loops against a copy of A permuted to the order their
+//   decoders produce (so no decoder interleaves): fp8_blocks32, one block
+//   per iteration (scales up to 2**7; the rest of the row falls back to the
+//   general loop at a larger one), and fp4_groups64, two blocks per
+//   iteration. The general loop takes block remainders and other scales.
 //   Each output element is produced by one task in a fixed order, so the
 //   result does not depend on the thread count.
 //   With AVX-512 BF16 (TORCH_BQ_AVX512_BF16), 32-wide e8m0 blocks take the
 //   bf16 dot-product kernels instead: section "decode path, AVX-512 BF16".
-// Prefill (M > decode_max_m): a panel of P rows of W (P*K*4 <= panel_bytes) is
-//   dequantized to fp32 in parallel, then at::mm(A, panel^T) (MKL/oneDNN)
-//   produces out[:, n0:n0+P]. Extra memory: the panel plus an [M, P] result,
-//   independent of N*K.
+// Prefill (M > decode_max_m): tasks of 96 (AVX512_BF16) or 64 rows of W
+//   dequantize K chunks of their rows into an L2-resident panel and multiply
+//   it with A in fp32 accumulators: torch_bq's vdpbf16ps tiles with AVX512_BF16,
+//   oneDNN's fp32 brgemm microkernel otherwise, at::mm in the generic build
+//   (section "prefill path"). Extra memory: per task the panel and an
+//   [Nt, M] fp32 tile, per call a bf16 copy of A; independent of N*K.
 //
 // Vector decoding (AVX2 + F16C):
 //   fp8: sign-extend byte to int16, shift left 7, keep sign and bits 7..13 ->
@@ -55,17 +61,24 @@
 //        subnormals, which vcvtph2ps converts exactly). The 2**8 goes into the
 //        block scale when that stays finite; blocks whose scale * 2**8
 //        overflows take the scalar path.
-//        Single-row fp8 with 32-wide e8m0 blocks uses fewer instructions:
-//        sign-extend to int32, shift left 20, keep sign and bits 20..26 -> an
-//        fp32 whose value is e4m3(b) * 2**-120 (subnormals exact), times the
-//        block scale * 2**120. Needs MXCSR.DAZ clear (checked per tile:
-//        torch.set_flush_denormal(True) sets it), else the F16C decoder runs.
+//        Whole 32-wide e8m0 blocks use integer ops only: the magnitude bits
+//        shifted 4 to the right within a 16-bit word, the sign kept in bit
+//        15, are the bf16 encoding of e4m3(b) * 2**-120 (subnormals exact);
+//        a bf16 word is an fp32 after one shift or mask; times the block
+//        scale * 2**120 (Fp8Format::decode32_bf16). Needs MXCSR.DAZ clear
+//        (checked per tile: torch.set_flush_denormal(True) sets it), else
+//        the F16C decoder runs.
 //   fp4: nibble -> high byte of the fp16 encoding of its e2m1 value via
-//        vpshufb (the low byte is always 0), then vcvtph2ps.
+//        vpshufb (the low byte is always 0), then vcvtph2ps (block
+//        remainders only). Whole 64-groups avoid F16C (the M = 1 limit):
+//        two vpshufb give both bytes of the bf16 encoding, and a bf16 word
+//        is an fp32 after one shift or mask (Fp4Format::decode64_bf16).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/native/CPUBlas.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -80,6 +93,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <unistd.h>
@@ -87,6 +101,8 @@
 // The ISA level macros (TORCH_BQ_AVX2, TORCH_BQ_AVX512, TORCH_BQ_AVX512_BF16, TORCH_BQ_OPS):
 // one header, shared with attention.cpp.
 #include "isa.h"
+// What this file lends nvfp4.cpp (the task pool, the prefill GEMM): end of file.
+#include "shared.h"
 
 #if defined(TORCH_BQ_AVX2)
 #include <immintrin.h>
@@ -158,15 +174,25 @@ struct Fp8Format {
     lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
     hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
   }
-  // 8 elements times `scale` (a block scale times 2**120), without F16C:
-  // sign-extend to int32, shift left 20, keep the sign and bits 20..26: an
-  // fp32 whose value is e4m3(b) * 2**-120 (E4M3 subnormals become fp32
-  // subnormals, exact). One multiply by a power of two then gives the weight
-  // element e4m3(b) * s exactly, as the reference forms it.
-  static __m256 decode8_scaled(const uint8_t* p, __m256 scale) {
-    const __m256i d = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(d, 20), _mm256_set1_epi32(static_cast<int>(0x87F00000u)));
-    return _mm256_mul_ps(_mm256_castsi256_ps(bits), scale);
+  // 32 elements (one 32-wide block) without F16C, as value * 2**-120: an
+  // E4M3 byte's magnitude bits shifted 4 to the right within a 16-bit word
+  // (the high byte by an arithmetic shift that keeps its sign in bit 15, the
+  // low byte moved up first) are the bf16 encoding of e4m3(b) * 2**-120
+  // (both biases differ by 120; E4M3 subnormals become bf16 subnormals,
+  // exact), and a bf16 word becomes an fp32 with one shift or mask. Integer
+  // ops only, 9 per 32 elements; v[i] lane d holds element 4 d + i
+  // (permute_activation_blocks32). One multiply by the block scale * 2**120
+  // then forms the weight element e4m3(b) * s exactly, as the reference does.
+  static void decode32_bf16(const uint8_t* p, __m256 (&v)[4]) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i keep = _mm256_set1_epi16(static_cast<short>(0x87F0));
+    const __m256i high_words = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const __m256i odd = _mm256_and_si256(_mm256_srai_epi16(b, 4), keep);
+    const __m256i even = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(b, 8), 4), keep);
+    v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(even, 16));
+    v[1] = _mm256_castsi256_ps(_mm256_slli_epi32(odd, 16));
+    v[2] = _mm256_castsi256_ps(_mm256_and_si256(even, high_words));
+    v[3] = _mm256_castsi256_ps(_mm256_and_si256(odd, high_words));
   }
 #endif
 };
@@ -193,22 +219,43 @@ struct Fp4Format {
     lo = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, hb));
     hi = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, hb));
   }
-  // One 32-element block (16 bytes) without restoring element order: even
-  // elements 0..14 and 16..30 (low nibbles), then odd ones 1..15 and 17..31
-  // (high nibbles); the caller's activation is permuted to match
-  // (split_activation_blocks32).
-  static void decode32_split(const uint8_t* p, __m256& even0, __m256& even1, __m256& odd0, __m256& odd1) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lut = _mm_setr_epi8(0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46, char(0x80), char(0xB8),
-                                      char(0xBC), char(0xBE), char(0xC0), char(0xC2), char(0xC4), char(0xC6));
-    const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, mask));
-    const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), mask));
-    const __m128i zero = _mm_setzero_si128();
-    even0 = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, lo));
-    even1 = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, lo));
-    odd0 = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, hi));
-    odd1 = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, hi));
+  // Two 32-element blocks (32 bytes, one per 128-bit lane) to 64 fp32 values
+  // without F16C: two vpshufb lookups per nibble give the high and low byte
+  // of the bf16 (= upper half of the fp32) encoding of each e2m1 value, one
+  // byte unpack pairs them into bf16 words, and each word becomes an fp32
+  // with one integer op (shift left 16 for even words, mask for odd ones).
+  // 1 load + 3 + 4 + 4 + 8 vector ops per 64 elements, no conversions; the
+  // values come out in a fixed order that the caller's activation is
+  // permuted to (group64_element).
+  static void decode64_bf16(const uint8_t* p, __m256 (&w)[8]) {
+    // bytes 2 and 3 of the fp32 encoding of e2m1 codes 0..15 (sign in bit 3; -0 for code 8)
+    const __m256i lb = _mm256_setr_epi8(0, 0, char(0x80), char(0xC0), 0, 0x40, char(0x80), char(0xC0), 0, 0,
+                                        char(0x80), char(0xC0), 0, 0x40, char(0x80), char(0xC0), 0, 0, char(0x80),
+                                        char(0xC0), 0, 0x40, char(0x80), char(0xC0), 0, 0, char(0x80), char(0xC0), 0,
+                                        0x40, char(0x80), char(0xC0));
+    const __m256i hb = _mm256_setr_epi8(0, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, char(0x80), char(0xBF),
+                                        char(0xBF), char(0xBF), char(0xC0), char(0xC0), char(0xC0), char(0xC0), 0,
+                                        0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, char(0x80), char(0xBF), char(0xBF),
+                                        char(0xBF), char(0xC0), char(0xC0), char(0xC0), char(0xC0));
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i high_words = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+    const __m256i lo_l = _mm256_shuffle_epi8(lb, lo), lo_h = _mm256_shuffle_epi8(hb, lo);
+    const __m256i hi_l = _mm256_shuffle_epi8(lb, hi), hi_h = _mm256_shuffle_epi8(hb, hi);
+    const __m256i words[4] = {_mm256_unpacklo_epi8(lo_l, lo_h), _mm256_unpackhi_epi8(lo_l, lo_h),
+                              _mm256_unpacklo_epi8(hi_l, hi_h), _mm256_unpackhi_epi8(hi_l, hi_h)};
+    for (int i = 0; i < 4; ++i) {
+      w[2 * i] = _mm256_castsi256_ps(_mm256_slli_epi32(words[i], 16));
+      w[2 * i + 1] = _mm256_castsi256_ps(_mm256_and_si256(words[i], high_words));
+    }
+  }
+  // Which element of its block register w[i], lane l of decode64_bf16 holds
+  // (lanes 0-3: the first block, 4-7: the second): words[i / 2] holds, per
+  // 128-bit lane, the low (i < 4) or high nibbles of bytes 0-7 or 8-15 in
+  // order; even words are w[2j], odd ones w[2j + 1].
+  static constexpr int group64_element(int i, int l) {
+    return (l / 4) * 32 + (i / 4) + 16 * ((i / 2) % 2) + 2 * (i % 2) + 4 * (l % 4);
   }
 #endif
 };
@@ -247,66 +294,93 @@ inline float folded_scale(const float* s, int64_t i, bool& ok) {
 #endif
 
 #if defined(TORCH_BQ_AVX2)
-// fp8 with 32-wide e8m0 blocks (32x32, 1x32), one activation row, NT weight
-// rows: the decode-bound case, so one whole block per iteration with the
-// fewest vector instructions per element (4 per 8: load+sign-extend, shift,
-// and, multiply, plus the FMA). The block's 32 A values are loaded once for
-// all NT rows; two accumulators per row halve the FMA dependency chain.
-// Covers blocks [0, K/32) and returns the first block it did not do: the
-// partial last block, or a block whose scale * 2**120 would overflow
+// fp8 with 32-wide e8m0 blocks (32x32, 1x32), MT activation rows x NT
+// weight rows, one whole block per iteration with the F16C-free decoder
+// (Fp8Format::decode32_bf16) against the activation permuted to its order
+// (permute_activation_blocks32): per 32 elements 9 integer ops and 4
+// multiplies per weight row, then 4 multiply-adds and 2 adds per activation
+// row. Covers blocks [0, K/32) and returns the first block it did not
+// do: the partial last block, or a block whose scale * 2**120 would overflow
 // (code > 134, i.e. a scale above 2**7), which the caller's general loop
 // then takes over. Needs MXCSR.DAZ clear (the decoded subnormals are inputs).
-template <int NT>
-int64_t fp8_row_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* a, int64_t K,
-                         __m256* acc, const uint8_t* ahead) {
-  __m256 acc_odd[NT];
+template <int MT, int NT>
+int64_t fp8_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* const* a_perm,
+                     int64_t K, __m256 (&acc)[MT][NT], const uint8_t* ahead) {
+  __m256 acc_odd[NT];  // the second chain of each single-row output
   for (int j = 0; j < NT; ++j) acc_odd[j] = _mm256_setzero_ps();
   int64_t b = 0;
   for (; b < K / 32; ++b) {
     uint32_t max_code = 0;
     for (int j = 0; j < NT; ++j) max_code = std::max<uint32_t>(max_code, scale_rows[j][b]);
     if (max_code > 134) break;
-    const int64_t k = b * 32;
-    for (int c = 0; c < NT / 2; ++c)  // the next rows' share for this block (see dot_tile)
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + (b * (NT / 2) + c) * 64), _MM_HINT_T0);
-    const __m256 a0 = _mm256_loadu_ps(a + k), a1 = _mm256_loadu_ps(a + k + 8);
-    const __m256 a2 = _mm256_loadu_ps(a + k + 16), a3 = _mm256_loadu_ps(a + k + 24);
+    for (int c = 0; c < (NT + 1) / 2; ++c)  // the next rows' share for this block (see dot_tile)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + (b * ((NT + 1) / 2) + c) * 64), _MM_HINT_T0);
     for (int j = 0; j < NT; ++j) {
       // 2**(code - 127) * 2**120, exact for codes 0..134 (code 0 included).
       const __m256 s = _mm256_set1_ps(f32_from_bits((uint32_t(scale_rows[j][b]) + 120) << 23));
-      const uint8_t* wk = rows[j] + k;
-      acc[j] = _mm256_fmadd_ps(a0, Fp8Format::decode8_scaled(wk, s), acc[j]);
-      acc_odd[j] = _mm256_fmadd_ps(a1, Fp8Format::decode8_scaled(wk + 8, s), acc_odd[j]);
-      acc[j] = _mm256_fmadd_ps(a2, Fp8Format::decode8_scaled(wk + 16, s), acc[j]);
-      acc_odd[j] = _mm256_fmadd_ps(a3, Fp8Format::decode8_scaled(wk + 24, s), acc_odd[j]);
+      __m256 v[4];
+      Fp8Format::decode32_bf16(rows[j] + b * 32, v);
+      for (int e = 0; e < 4; ++e) v[e] = _mm256_mul_ps(v[e], s);
+      if constexpr (MT == 1) {  // two chains per output (eight at NT = 4), no adds
+        const float* a = a_perm[0] + b * 32;
+        acc[0][j] = _mm256_fmadd_ps(_mm256_loadu_ps(a), v[0], acc[0][j]);
+        acc_odd[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8), v[1], acc_odd[j]);
+        acc[0][j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + 16), v[2], acc[0][j]);
+        acc_odd[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + 24), v[3], acc_odd[j]);
+        continue;
+      }
+      for (int i = 0; i < MT; ++i) {
+        // The block's partial sum in two short chains of its own, then one
+        // add into the accumulator (on the adder, not the FMA units): the
+        // only loop-carried dependency is that add, whatever the tile height.
+        const float* a = a_perm[i] + b * 32;
+        __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(a), v[0]);
+        __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(a + 8), v[1]);
+        p0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 16), v[2], p0);
+        p1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 24), v[3], p1);
+        acc[i][j] = _mm256_add_ps(acc[i][j], _mm256_add_ps(p0, p1));
+      }
     }
   }
-  for (int j = 0; j < NT; ++j) acc[j] = _mm256_add_ps(acc[j], acc_odd[j]);
+  if constexpr (MT == 1)
+    for (int j = 0; j < NT; ++j) acc[0][j] = _mm256_add_ps(acc[0][j], acc_odd[j]);
   return b;
 }
 
-// MXFP4, one activation row, NT weight rows: one whole block per iteration
-// against the block-permuted activation (split_activation_blocks32), so the
-// nibbles need no interleaving back into element order; the e8m0 scale is
-// factored out of the block's partial sum (exact). Covers blocks [0, K/32).
-template <int NT>
-int64_t fp4_row_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* a_split,
-                         int64_t K, __m256* acc, const uint8_t* ahead) {
-  for (int64_t b = 0; b < K / 32; ++b) {
-    if (b % 4 == 0)  // the next rows' share for these four blocks (see dot_tile)
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + b * NT * 16), _MM_HINT_T0);
-    const float* a = a_split + b * 32;
-    const __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8);
-    const __m256 a2 = _mm256_loadu_ps(a + 16), a3 = _mm256_loadu_ps(a + 24);
+// MXFP4, MT activation rows x NT weight rows: two whole blocks (64
+// elements) per iteration with the bf16-pattern decoder, against the
+// activation permuted to its output order (permute_activation_groups64).
+// Each weight group is decoded once for all MT rows; each block's e8m0 scale
+// is factored out of its partial sum (exact for a power of two), both
+// blocks' scales in one register (lanes 0-3 and 4-7): MT multiply-adds per
+// group where scaling the decoded weights would take 8 multiplies. Covers blocks
+// [0, 2 * (K / 64)); the caller's general loop takes the rest.
+template <int MT, int NT>
+int64_t fp4_groups64(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* const* a_perm,
+                     int64_t K, __m256 (&acc)[MT][NT], const uint8_t* ahead) {
+  const int64_t groups = K / 64;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int c = 0; c < (NT + 1) / 2; ++c)  // the next rows' share for this group (see dot_tile)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + (g * ((NT + 1) / 2) + c) * 64), _MM_HINT_T0);
     for (int j = 0; j < NT; ++j) {
-      __m256 even0, even1, odd0, odd1;
-      Fp4Format::decode32_split(rows[j] + b * 16, even0, even1, odd0, odd1);
-      const __m256 p = _mm256_add_ps(_mm256_fmadd_ps(a1, even1, _mm256_mul_ps(a0, even0)),
-                                     _mm256_fmadd_ps(a3, odd1, _mm256_mul_ps(a2, odd0)));
-      acc[j] = _mm256_fmadd_ps(p, _mm256_set1_ps(kTables.e8m0[scale_rows[j][b]]), acc[j]);
+      __m256 w[8];
+      Fp4Format::decode64_bf16(rows[j] + g * 32, w);
+      const uint8_t* s = scale_rows[j] + 2 * g;
+      const __m256 sv = _mm256_set_m128(_mm_set1_ps(kTables.e8m0[s[1]]), _mm_set1_ps(kTables.e8m0[s[0]]));
+      for (int i = 0; i < MT; ++i) {
+        const float* a = a_perm[i] + g * 64;
+        // two chains: the FMA latency, not its throughput, would bound one
+        __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(a), w[0]);
+        __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(a + 8), w[1]);
+        for (int e = 2; e < 8; e += 2) {
+          p0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8 * e), w[e], p0);
+          p1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8 * e + 8), w[e + 1], p1);
+        }
+        acc[i][j] = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), sv, acc[i][j]);
+      }
     }
   }
-  return K / 32;
+  return 2 * groups;
 }
 
 // Subnormal inputs read as zero (torch.set_flush_denormal(True) sets this).
@@ -350,20 +424,27 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
   constexpr bool kFactorScale = MT == 1 && std::is_same_v<S, uint8_t>;
 #if defined(TORCH_BQ_AVX2)
   {
-    __m256 acc[MT][NT];
+    // acc_odd: a second chain per output for the multi-row loop below (a
+    // 4 x 1 tile has only four, and the FMA latency bounds them).
+    __m256 acc[MT][NT], acc_odd[MT][NT];
     for (int i = 0; i < MT; ++i)
-      for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_setzero_ps();
+      for (int j = 0; j < NT; ++j) acc[i][j] = acc_odd[i][j] = _mm256_setzero_ps();
     int64_t b = 0;
     // The weight streams from memory in NT short rows, too short for the
     // hardware prefetchers to ramp up, so the single-row loops also prefetch
     // NT rows two tiles ahead (contiguous with these; one tile ahead measured
     // 10-25% slower at M = 1 on a Zen 5).
     const uint8_t* ahead = w.data + (n0 + 2 * NT) * w.row_stride;
-    if constexpr (kFactorScale && std::is_same_v<Fmt, Fp8Format>) {
-      if (w.bk == 32 && !denormals_are_zero()) b = fp8_row_blocks32<NT>(rows, srows, arows[0], K, acc[0], ahead);
-    }
-    if constexpr (kFactorScale && std::is_same_v<Fmt, Fp4Format>) {
-      if (a_split != nullptr) b = fp4_row_blocks32<NT>(rows, srows, a_split + m0 * K, K, acc[0], ahead);
+    if constexpr (std::is_same_v<S, uint8_t>) {
+      if (a_split != nullptr) {  // the F16C-free whole-block loops, against the permuted A
+        const float* a_perm[MT];
+        for (int i = 0; i < MT; ++i) a_perm[i] = a_split + (m0 + i) * K;
+        if constexpr (std::is_same_v<Fmt, Fp4Format>) b = fp4_groups64<MT, NT>(rows, srows, a_perm, K, acc, ahead);
+        if constexpr (std::is_same_v<Fmt, Fp8Format>) {
+          if (!denormals_are_zero())  // this thread's MXCSR (a worker's may differ from the caller's)
+            b = fp8_blocks32<MT, NT>(rows, srows, a_perm, K, acc, ahead);
+        }
+      }
     }
     for (; b < nblocks; ++b) {
       const int64_t k0 = b * w.bk, k1 = std::min(K, k0 + w.bk);
@@ -400,14 +481,14 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
             w1 = _mm256_mul_ps(w1, sv[j]);
             for (int i = 0; i < MT; ++i) {
               acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(arows[i] + k), w0, acc[i][j]);
-              acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(arows[i] + k + 8), w1, acc[i][j]);
+              acc_odd[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(arows[i] + k + 8), w1, acc_odd[i][j]);
             }
           }
         }
       }
     }
     for (int i = 0; i < MT; ++i)
-      for (int j = 0; j < NT; ++j) total[i][j] = hsum(acc[i][j]);
+      for (int j = 0; j < NT; ++j) total[i][j] = hsum(_mm256_add_ps(acc[i][j], acc_odd[i][j]));
   }
   const bool vector_pass = true;
 #else
@@ -440,19 +521,32 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
     for (int j = 0; j < NT; ++j) out[(m0 + i) * N + n0 + j] = total[i][j];
 }
 
-// All M rows of A against W[n:n+NT, :]: with NT = 1, row tiles of 8 and 4
-// (A is re-read from L1/L2, each decoded chunk is shared by 8 or 4 rows);
-// with NT = 4 (M <= 3), tiles of 2 and 1 rows.
+// All M rows of A against W[n:n+NT, :] in row tiles of near-equal height,
+// at most 8 (NT = 1) or 3 (NT = 4, M <= 3): every tile decodes the weight
+// rows once more, so M = 8 q + r costs q + 1 decodes, never q + 2 or 3 (a
+// tile of 1 or 2 rows after the 8s and 4s was the M = 5 and M = 9 steps).
 template <class Fmt, class S, int NT>
 void rows_tile(const WeightView& w, const float* A, const float* a_split, int64_t M, int64_t n, float* out,
                int64_t N) {
-  int64_t m = 0;
-  if constexpr (NT == 1) {
-    for (; m + 8 <= M; m += 8) dot_tile<Fmt, S, 8, 1>(w, A, a_split, m, n, out, N);
-    for (; m + 4 <= M; m += 4) dot_tile<Fmt, S, 4, 1>(w, A, a_split, m, n, out, N);
+  constexpr int kMaxMT = NT == 4 ? 3 : 8;
+  const int64_t tiles = (M + kMaxMT - 1) / kMaxMT;
+  int64_t m0 = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t mt = (M - m0) / (tiles - t);
+    switch (mt) {
+#define TORCH_BQ_ROWS(R)                                       \
+  case R:                                                      \
+    if constexpr (R <= kMaxMT) {                               \
+      dot_tile<Fmt, S, R, NT>(w, A, a_split, m0, n, out, N);   \
+    }                                                          \
+    break;
+      TORCH_BQ_ROWS(1) TORCH_BQ_ROWS(2) TORCH_BQ_ROWS(3) TORCH_BQ_ROWS(4)
+      TORCH_BQ_ROWS(5) TORCH_BQ_ROWS(6) TORCH_BQ_ROWS(7) TORCH_BQ_ROWS(8)
+#undef TORCH_BQ_ROWS
+      default: break;
+    }
+    m0 += mt;
   }
-  for (; m + 2 <= M; m += 2) dot_tile<Fmt, S, 2, NT>(w, A, a_split, m, n, out, N);
-  if (m < M) dot_tile<Fmt, S, 1, NT>(w, A, a_split, m, n, out, N);
 }
 
 template <class Fmt, class S>
@@ -465,18 +559,29 @@ void decode_rows(const WeightView& w, const float* A, const float* a_split, int6
   for (; n < n_end; ++n) rows_tile<Fmt, S, 1>(w, A, a_split, M, n, out, N);
 }
 
-// A [M, K] with every full 32-block reordered as fp4_row_blocks32 reads it:
-// elements 0, 2, .., 30 of the block, then 1, 3, .., 31.
-std::vector<float> split_activation_blocks32(const float* A, int64_t M, int64_t K) {
-  std::vector<float> split(M * K);
+#if defined(TORCH_BQ_AVX2)
+// A [M, K] with every full 64-element group reordered as fp4_groups64
+// reads it (Fp4Format::group64_element); the rest of each row as it is.
+std::vector<float> permute_activation_groups64(const float* A, int64_t M, int64_t K) {
+  std::vector<float> perm(A, A + M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k0 = 0; k0 + 64 <= K; k0 += 64)
+      for (int i = 0; i < 8; ++i)
+        for (int l = 0; l < 8; ++l) perm[m * K + k0 + 8 * i + l] = A[m * K + k0 + Fp4Format::group64_element(i, l)];
+  return perm;
+}
+
+// A [M, K] with every full 32-block reordered as fp8_blocks32 reads it
+// (element 4 d + i at 8 i + d); the rest of each row as it is.
+std::vector<float> permute_activation_blocks32(const float* A, int64_t M, int64_t K) {
+  std::vector<float> perm(A, A + M * K);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k0 = 0; k0 + 32 <= K; k0 += 32)
-      for (int i = 0; i < 16; ++i) {
-        split[m * K + k0 + i] = A[m * K + k0 + 2 * i];
-        split[m * K + k0 + 16 + i] = A[m * K + k0 + 2 * i + 1];
-      }
-  return split;
+      for (int i = 0; i < 4; ++i)
+        for (int d = 0; d < 8; ++d) perm[m * K + k0 + 8 * i + d] = A[m * K + k0 + 4 * d + i];
+  return perm;
 }
+#endif
 
 // Runs task(i) for i in [0, count) on torch_bq's own worker threads (as many
 // as torch.get_num_threads(), the caller included). Tasks are handed out
@@ -1185,7 +1290,13 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
   constexpr int64_t kRowsPerTask = 16;  // multiple of the tile height NT
   std::vector<float> split;
 #if defined(TORCH_BQ_AVX2)
-  if constexpr (std::is_same_v<Fmt, Fp4Format>) split = split_activation_blocks32(A, M, w.K);
+  if constexpr (std::is_same_v<S, uint8_t>) {
+    if constexpr (std::is_same_v<Fmt, Fp4Format>) split = permute_activation_groups64(A, M, w.K);
+    // The fp8 decoder's subnormals are inputs of its multiplies: with DAZ set it cannot run.
+    if constexpr (std::is_same_v<Fmt, Fp8Format>) {
+      if (w.bk == 32 && !denormals_are_zero()) split = permute_activation_blocks32(A, M, w.K);
+    }
+  }
 #endif
   const float* a_split = split.empty() ? nullptr : split.data();
   run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
@@ -1197,31 +1308,45 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 // prefill path: dequantize tiles of W, then a GEMM microkernel per tile
 // --------------------------------------------------------------------------
 //
-// Every task owns kTileRows rows of W (output columns n0 .. n0 + Nt) and
-// computes them for all M rows of A, K chunk by K chunk:
-//   for k-chunk (kc elements, whole scale blocks):
+// Every task owns Nt rows of W (output columns n0 .. n0 + Nt; Nt = kDotTaskRows
+// with AVX512_BF16, else kTileRows) and computes them for all M rows of A,
+// K chunk by K chunk:
+//   for k-chunk (kc elements, whole scale blocks; kc does not depend on K):
 //     panel[Nt, kc] = dequantize(W[n0:n0+Nt, k-chunk])        (L2-resident)
-//     for m-chunk (kTileCols rows of A):
-//       C^T[Nt, m-chunk] (+)= panel x A^T[k-chunk, m-chunk]   (brgemm, fp32 accumulators)
+//     C^T[Nt, M] (+)= panel x A^T[k-chunk, :]                 (fp32 accumulators)
 //   out[:, n0:n0+Nt] = (C^T)^T
-// The GEMM is oneDNN's brgemm microkernel (at::native::cpublas::brgemm),
-// single-threaded inside each task: the tasks are the only parallelism, so no
-// GEMM-internal barrier waits for a descheduled thread. Accumulation is fp32
-// over the whole of K (C^T is fp32 and accumulates across chunks), so there is
-// one final rounding only, in the caller. Extra memory per task: the panel
-// and an [Nt, M] fp32 tile, independent of N and (beyond kc) of K.
+// The GEMM of a chunk is single-threaded inside each task: the tasks are the
+// only parallelism, so no GEMM-internal barrier waits for a descheduled
+// thread. Accumulation is fp32 over the whole of K (C^T is fp32 and
+// accumulates across chunks), so there is one final rounding only, in the
+// caller. Extra memory per task: the panel and an [Nt, M] fp32 tile,
+// independent of N and of K; per call, the packed bf16 copy of A.
 //
 // Element types of the microkernel:
-// * bf16 x bf16 -> fp32 (builds with AVX512_BF16: vdpbf16ps / AMX): the
-//   decoded weights and A are exact in bf16 (docs/contract.md §1, §3), so the products
-//   are the fp32 products the reference forms. vdpbf16ps treats subnormal
-//   inputs and results as zero, so a tile takes this path only if nothing
-//   subnormal can occur: A and the tile's weights hold no subnormal and the
-//   product of their lowest set bits is at least 2**-126 (every product, and
-//   every fp32 partial sum of them, is then a multiple of that quantum:
-//   zero or normal). Other tiles run the fp32 microkernel.
-// * fp32 x fp32 -> fp32 (AVX2 / AVX-512 builds, fp32 scales, and the tiles above).
+// * bf16 x bf16 -> fp32 (builds with AVX512_BF16): torch_bq's own vdpbf16ps
+//   register tiles (dot_chunk below; oneDNN's brgemm with the panel as its
+//   row operand reached only about 0.8x of oneDNN's own matmul). The
+//   decoded weights and A are exact in bf16 (docs/contract.md §1, §3), so
+//   every product is the fp32 product the reference forms, and each
+//   vdpbf16ps adds two of them into an fp32 lane: fp32 accumulation in
+//   another order, inside the contract's bound (each term passes through at
+//   most K + 1 fp32 roundings). vdpbf16ps treats subnormal inputs and
+//   results as zero, so a chunk takes this path only if nothing subnormal can
+//   occur: A and the chunk's weights hold no subnormal and the product of
+//   their lowest set bits is at least 2**-126 (every product, and every fp32
+//   partial sum of them, is then a multiple of that quantum: zero or
+//   normal). Other chunks run the fp32 microkernel into the same C^T.
+// * fp32 x fp32 -> fp32: oneDNN's brgemm microkernel
+//   (at::native::cpublas::brgemm) on fp32 panels with kTileCols-row slices of
+//   A^T (AVX2 / AVX-512 builds, fp32 scales, and the chunks above).
 // * The generic build (CPUs without AVX2) keeps at::mm on fp32 panels.
+//
+// A weight format plugs in as a "Rows" type (QuantizedRows<Fmt, S>,
+// DenseRows<T>) with: chunk_align() (K chunks hold whole multiples of it),
+// fp32(n, k0, k1, dst) (dequantized row n, elements [k0, k1)), bf16(n, k0,
+// k1, dst16, scratch) -> LowBits (the same as bf16 bits, exact whenever the
+// returned bound says normal), and bytes_of(n, rows, k0, k1) (the stored
+// bytes of those elements, for the prefetch).
 
 // Tiles run per microkernel since load: bf16, fp32, at::mm panels (tests read
 // them through the prefill_counts op to see which path a call took).
@@ -1258,7 +1383,7 @@ struct GemmOperands {
   int64_t M = 0, K = 0, Kp = 0;  // Kp: K rounded up to even (bf16 pairs)
   at::Tensor a32;                // fp32 [M, K]
   at::Tensor bt32;               // fp32 A^T [K, M], built on first use
-  at::Tensor bt16;               // bf16 A^T in pairs ([Kp/2, M, 2], the VNNI layout), or undefined
+  at::Tensor apack;              // bf16 A^T in pairs, blocked for the dot microkernel (pack_activation), or undefined
   LowBits a_bits{0, false};
   std::once_flag bt32_once;
   const float* at32() {
@@ -1290,6 +1415,192 @@ bool bf16_brgemm_works() {
 }
 #endif
 
+#if defined(TORCH_BQ_AVX512)
+// r[i][j] <- r[j][i] for a 16 x 16 matrix of 32-bit elements, one row per register.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+#endif
+
+// Cache lines of `rows` rows (`stride` bytes apart) of `bytes` bytes each, to
+// be prefetched into L2 a few at a time.
+struct PrefetchPlan {
+  const char* base = nullptr;
+  int64_t stride = 0, rows = 0, row_lines = 0, done = 0;
+  PrefetchPlan() = default;
+  PrefetchPlan(const void* first, int64_t stride_, int64_t rows_, int64_t bytes)
+      : base(static_cast<const char*>(first)), stride(stride_), rows(rows_), row_lines((bytes + 63) / 64) {}
+  int64_t lines() const { return rows * row_lines; }
+  void issue(int64_t count) {
+#if defined(TORCH_BQ_AVX2)
+    for (const int64_t end = std::min(lines(), done + count); done < end; ++done)
+      _mm_prefetch(base + done / row_lines * stride + done % row_lines * 64, _MM_HINT_T1);
+#else
+    (void)count;
+#endif
+  }
+};
+
+#if defined(TORCH_BQ_AVX512_BF16)
+// The bf16 microkernel (vdpbf16ps). A register tile holds C^T[r0 : r0 + NR,
+// m0 : m0 + 16 MV] as NR x MV vectors of 16 A rows: per pair of K elements it
+// loads MV vectors of A pairs and broadcasts one (w[n, 2p], w[n, 2p + 1]) pair
+// per weight row, so each vdpbf16ps adds the two products of one pair into 16
+// output lanes. 6 x 4 = 24 accumulators: enough independent chains to keep
+// two vdpbf16ps per cycle in flight (latency x throughput is about 12 on
+// Zen 4/5 and Sapphire Rapids) with 8 registers left for operands; 10 loads
+// per 24 instructions stay under the load ports' rate.
+//
+// A is packed once per call (pack_activation) in blocks of kDotBlock rows:
+// block b holds rows [kDotBlock b, + width) as [Kp/2][width] uint32 bf16 pairs
+// (width = kDotBlock, the last block's rows rounded up to 16 with zero rows),
+// starting at element kDotBlock * b * Kp/2, so a register tile reads one
+// contiguous stream. Per task (kDotTaskRows weight rows) and K chunk
+// (kDotChunk elements): the bf16 panel (96 x 1024 x 2 = 192 KiB) and one
+// block's chunk of A (512 pairs x 64 rows x 4 = 128 KiB) sit in L2 together
+// with the fp32 C^T tile; the panel is decoded once and read by every A
+// block, each A block by the 16 register tiles of the task. On the Zen 5
+// benchmark machine the tile runs at 510-530 GFLOP/s per core from L2
+// (vdpbf16ps peak about 2 x 64 flops per cycle), i.e. K does not shrink
+// anything: the chunk is a fixed width and the tile covers the task's rows.
+constexpr int64_t kDotRows = 6;     // weight rows per register tile
+constexpr int64_t kDotBlock = 64;   // A rows per packed block: 4 vectors of 16
+constexpr int64_t kDotChunk = 1024;  // K elements per panel chunk on this path
+constexpr int64_t kDotTaskRows = 96;  // W rows per task on this path: 16 register tiles
+
+inline int64_t packed_block_width(int64_t M, int64_t m0) {
+  return std::min(kDotBlock, (M - m0 + 15) / 16 * 16);
+}
+
+// bf16 pairs of A^T (A fp32 [M, K] of bf16-exact values, so the conversion is
+// exact): 16 rows x 32 elements at a time, converted to 16 x 16 pairs and
+// transposed. Rows past M and elements past K are zero.
+at::Tensor pack_activation(const at::Tensor& A, int64_t kp2) {
+  const int64_t M = A.size(0), K = A.size(1);
+  const int64_t blocks = (M + kDotBlock - 1) / kDotBlock;
+  const int64_t total = (blocks - 1) * kDotBlock + packed_block_width(M, (blocks - 1) * kDotBlock);
+  at::Tensor packed = at::empty({total * kp2}, A.options().dtype(at::kInt));
+  const float* a = A.data_ptr<float>();
+  int32_t* dst = packed.data_ptr<int32_t>();
+  constexpr int64_t kPairsPerTask = 512;  // a multiple of 16
+  const int64_t spans = (kp2 + kPairsPerTask - 1) / kPairsPerTask;
+  run_tasks(blocks * spans, [&](int64_t t) {
+    const int64_t m0 = t / spans * kDotBlock, width = packed_block_width(M, m0);
+    const int64_t p0 = t % spans * kPairsPerTask, p1 = std::min(kp2, p0 + kPairsPerTask);
+    int32_t* block = dst + m0 * kp2;
+    for (int64_t g = 0; g < width; g += 16) {
+      for (int64_t p = p0; p < p1; p += 16) {
+        const int64_t k = 2 * p, left = K - k;
+        const __mmask16 lo = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(left, 0)) - 1);
+        const __mmask16 hi = left >= 32 ? __mmask16(0xFFFF) : left <= 16 ? __mmask16(0) : __mmask16((1u << (left - 16)) - 1);
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) {
+          const int64_t m = m0 + g + i;
+          if (m >= M) {
+            r[i] = _mm512_setzero_si512();
+            continue;
+          }
+          const float* row = a + m * K + k;
+          r[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, row + 16), _mm512_maskz_loadu_ps(lo, row));
+        }
+        transpose16(r);
+        const int64_t n = std::min<int64_t>(16, p1 - p);
+        for (int64_t j = 0; j < n; ++j) _mm512_storeu_si512(block + (p + j) * width + g, r[j]);
+      }
+    }
+  });
+  return packed;
+}
+
+// C^T[NR rows (stride ldc), 16 MV columns] (+)= w[NR, 2 kp] x a^T: w bf16 rows of
+// 2 ws elements, a the packed pairs of one block (row stride as). The last
+// vector's columns beyond `tail` are neither read nor written.
+template <int NR, int MV>
+void dot_tile(const uint16_t* w, int64_t ws, const uint32_t* a, int64_t as, int64_t kp, float* c, int64_t ldc,
+              bool accumulate, __mmask16 tail) {
+  __m512 acc[NR][MV];
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < MV; ++v)
+      acc[r][v] = accumulate ? _mm512_maskz_loadu_ps(v == MV - 1 ? tail : __mmask16(0xFFFF), c + r * ldc + 16 * v)
+                             : _mm512_setzero_ps();
+  for (int64_t p = 0; p < kp; ++p) {
+    __m512bh av[MV];
+    for (int v = 0; v < MV; ++v) av[v] = (__m512bh)_mm512_loadu_si512(a + p * as + 16 * v);
+    for (int r = 0; r < NR; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, w + 2 * (r * ws + p), sizeof pair);
+      const __m512bh wb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int v = 0; v < MV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av[v], wb);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < MV; ++v)
+      _mm512_mask_storeu_ps(c + r * ldc + 16 * v, v == MV - 1 ? tail : __mmask16(0xFFFF), acc[r][v]);
+}
+
+using DotTile = void (*)(const uint16_t*, int64_t, const uint32_t*, int64_t, int64_t, float*, int64_t, bool, __mmask16);
+
+template <int NR>
+constexpr DotTile dot_tile_for(int mv) {
+  return mv == 1 ? &dot_tile<NR, 1> : mv == 2 ? &dot_tile<NR, 2> : mv == 3 ? &dot_tile<NR, 3> : &dot_tile<NR, 4>;
+}
+
+inline DotTile dot_tile_for(int nr, int mv) {
+  switch (nr) {
+    case 1: return dot_tile_for<1>(mv);
+    case 2: return dot_tile_for<2>(mv);
+    case 3: return dot_tile_for<3>(mv);
+    case 4: return dot_tile_for<4>(mv);
+    case 5: return dot_tile_for<5>(mv);
+    default: return dot_tile_for<6>(mv);
+  }
+}
+
+// C^T[rows, M] (+)= panel[rows, 2 kp] x A^T[pairs p0 .. p0 + kp) with the packed A.
+// Meanwhile the weight bytes the next panel will decode are prefetched into L2
+// (`next`), spread over the register tiles: short row streams at a stride of K
+// do not train the hardware prefetchers, and a decode that waits on memory
+// would leave the vdpbf16ps units idle.
+void dot_chunk(const uint16_t* panel, int64_t rows, const uint32_t* apack, int64_t kp2, int64_t p0, int64_t kp,
+               int64_t M, float* c, bool accumulate, PrefetchPlan next) {
+  const int64_t calls = (M + kDotBlock - 1) / kDotBlock * ((rows + kDotRows - 1) / kDotRows);
+  const int64_t quota = (next.lines() + calls - 1) / calls;
+  for (int64_t m0 = 0; m0 < M; m0 += kDotBlock) {
+    const int64_t width = packed_block_width(M, m0), cols = std::min(kDotBlock, M - m0);
+    const int mv = static_cast<int>(width / 16);
+    const __mmask16 tail = cols % 16 == 0 ? __mmask16(0xFFFF) : __mmask16((1u << (cols % 16)) - 1);
+    const uint32_t* a = apack + m0 * kp2 + p0 * width;
+    for (int64_t r0 = 0; r0 < rows; r0 += kDotRows) {
+      const int nr = static_cast<int>(std::min(kDotRows, rows - r0));
+      next.issue(quota);
+      dot_tile_for(nr, mv)(panel + 2 * r0 * kp, kp, a, width, kp, c + r0 * M + m0, M, accumulate, tail);
+    }
+  }
+}
+#endif
+
 // The weight side of one task: fills panels with rows [n0, n0 + rows) of W,
 // elements [k0, k1) of each, as fp32 or as bf16 bits, and says the lowest-bit
 // bound of a tile's (decoded) elements.
@@ -1297,6 +1608,11 @@ template <class Fmt, class S>
 struct QuantizedRows {
   const WeightView& w;
   int64_t chunk_align() const { return w.bk; }  // chunks hold whole scale blocks
+  // The stored bytes of elements [k0, k1) of rows [n, n + rows) (k0 a block start).
+  PrefetchPlan bytes_of(int64_t n, int64_t rows, int64_t k0, int64_t k1) const {
+    const int64_t b0 = Fmt::row_bytes(k0);
+    return {w.data + n * w.row_stride + b0, w.row_stride, rows, Fmt::row_bytes(k1) - b0};
+  }
   // Dequantize elements [k0, k1) (k0 a block start) of row n into dst[0, k1 - k0).
   void fp32(int64_t n, int64_t k0, int64_t k1, float* dst) const {
     const uint8_t* row = w.data + n * w.row_stride;
@@ -1343,7 +1659,52 @@ struct QuantizedRows {
     const uint8_t* row = w.data + n * w.row_stride;
     const S* srow = static_cast<const S*>(w.scale) + (n / w.bn) * w.scale_stride;
     const bool daz = denormals_are_zero();
-    for (int64_t b = k0 / w.bk; b * w.bk < k1; ++b) {
+    int64_t b = k0 / w.bk;
+    if constexpr (std::is_same_v<S, uint8_t>) {
+      // Whole blocks in the lean loops below while they apply; the general loop does the rest.
+      if constexpr (std::is_same_v<Fmt, Fp8Format>) {
+#if defined(TORCH_BQ_AVX512_BF16)
+        if (!daz && w.bk % 32 == 0) {
+          // As below: e4m3(b) * 2**-120 from the bits, times 2**(code - 127 + 120), for codes up to 134.
+          const __m512i keep = _mm512_set1_epi32(static_cast<int>(0x87F00000u));
+          for (; (b + 1) * w.bk <= k1 && srow[b] <= 134; ++b) {
+            const __m512 sv = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>((uint32_t(srow[b]) + 120) << 23)));
+            const uint8_t* src = row + b * w.bk;
+            uint16_t* out = dst + (b * w.bk - k0);
+            // 32 at a time through vcvtne2ps2bf16: exact on bf16-exact values; it
+            // flushes subnormal ones, but a panel that holds any is not used (low_bits).
+            for (int64_t j = 0; j < w.bk; j += 32) {
+              __m512 v[2];
+              for (int h = 0; h < 2; ++h) {
+                const __m512i d = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j + 16 * h)));
+                v[h] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(d, 20), keep)), sv);
+              }
+              _mm512_storeu_si512(reinterpret_cast<void*>(out + j), (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
+            }
+          }
+        }
+#endif
+      } else if constexpr (std::is_same_v<Fmt, Fp4Format>) {
+        if (w.bk == 32) {
+          // Per block, the 16 e2m1 values times the scale (fp32 products, as the
+          // reference forms them; exact in bf16 wherever this path's result is
+          // used), then one word lookup per element: nibble pairs of byte j are
+          // words 2j (low nibble) and 2j + 1 (high nibble).
+          const __m512 values = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f,
+                                               -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+          const __m512i nibble = _mm512_set1_epi32(0x0F);
+          for (; (b + 1) * 32 <= k1; ++b) {
+            const __m512 scaled = _mm512_mul_ps(values, _mm512_set1_ps(kTables.e8m0[srow[b]]));
+            const __m512i table = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(scaled), 16)));
+            const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)));
+            const __m512i idx = _mm512_or_si512(_mm512_and_si512(x, nibble),
+                                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(x, 4), nibble), 16));
+            _mm512_storeu_si512(reinterpret_cast<void*>(dst + (b * 32 - k0)), _mm512_permutexvar_epi16(idx, table));
+          }
+        }
+      }
+    }
+    for (; b * w.bk < k1; ++b) {
       const int64_t b0 = b * w.bk, b1 = std::min(k1, b0 + w.bk);
       const float s = scale_value(srow, b);
       bool ok = true;
@@ -1391,6 +1752,9 @@ struct DenseRows {
   const T* data;
   int64_t K;
   int64_t chunk_align() const { return 1; }
+  PrefetchPlan bytes_of(int64_t n, int64_t rows, int64_t k0, int64_t k1) const {
+    return {data + n * K + k0, static_cast<int64_t>(K * sizeof(T)), rows, static_cast<int64_t>((k1 - k0) * sizeof(T))};
+  }
   static uint16_t bf16_of(T v) {
     if constexpr (std::is_same_v<T, float>) {
       return bf16_rne(v);
@@ -1471,7 +1835,37 @@ inline TileBuffers& tile_buffers() {
 inline int64_t chunk_elems(int64_t align) {
   // Whole scale blocks, even (bf16 pairs), near kChunkElems.
   int64_t step = align % 2 == 0 ? align : 2 * align;
-  return std::max<int64_t>(step, kChunkElems / step * step);
+#if defined(TORCH_BQ_AVX512_BF16)
+  constexpr int64_t target = kDotChunk;
+#else
+  constexpr int64_t target = kChunkElems;
+#endif
+  return std::max<int64_t>(step, target / step * step);
+}
+
+// Whether a Rows type can say where its stored bytes are (bytes_of; optional: no prefetch without it).
+template <class R, class = void>
+struct has_bytes_of : std::false_type {};
+template <class R>
+struct has_bytes_of<R, std::void_t<decltype(std::declval<const R&>().bytes_of(0, 0, 0, 0))>> : std::true_type {};
+
+// out[m, r] = c[r, m] for r < rows, m < M (out's rows ldo apart).
+inline void store_transposed(const float* c, int64_t rows, int64_t M, float* out, int64_t ldo) {
+  int64_t r0 = 0;
+#if defined(TORCH_BQ_AVX512)
+  for (; r0 + 16 <= rows; r0 += 16) {
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      const int64_t cols = std::min<int64_t>(16, M - m0);
+      const __mmask16 valid = cols == 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+      __m512i v[16];
+      for (int i = 0; i < 16; ++i) v[i] = _mm512_maskz_loadu_epi32(valid, c + (r0 + i) * M + m0);
+      transpose16(v);
+      for (int64_t j = 0; j < cols; ++j) _mm512_storeu_si512(out + (m0 + j) * ldo + r0, v[j]);
+    }
+  }
+#endif
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t r = r0; r < rows; ++r) out[m * ldo + r] = c[r * M + m];
 }
 
 // out[:, n0:n0+rows] for one task. With bf16_ok (A allows it), each K chunk
@@ -1484,7 +1878,7 @@ void gemm_tile(const Rows& wr, GemmOperands& ops, int64_t n0, int64_t rows, bool
   TileBuffers& buf = tile_buffers();
   buf.c.resize(rows * M);
   float* c = buf.c.data();
-  bool all_bf16 = bf16_ok, any_bf16 = false;
+  bool all_bf16 = bf16_ok;
   for (int64_t k0 = 0; k0 < K; k0 += kc) {
     const int64_t k1 = std::min(K, k0 + kc), width = k1 - k0;
     bool chunk_bf16 = false;
@@ -1502,13 +1896,16 @@ void gemm_tile(const Rows& wr, GemmOperands& ops, int64_t n0, int64_t rows, bool
       }
       chunk_bf16 = !bits.subnormal && ops.a_bits.low_bit + bits.low_bit >= -126;
       if (chunk_bf16) {
-        const auto* bt = reinterpret_cast<const at::BFloat16*>(ops.bt16.data_ptr<at::BFloat16>());
-        for (int64_t m0 = 0; m0 < M; m0 += kTileCols) {
-          const int64_t cols = std::min(kTileCols, M - m0);
-          at::native::cpublas::brgemm(rows, cols, padded, padded, M, M, k0 > 0,
-                                      reinterpret_cast<const at::BFloat16*>(p), bt + k0 * M + 2 * m0, c + m0, true);
+        // The next chunk of these rows, or the first chunk of the next rows.
+        PrefetchPlan next;
+        if constexpr (has_bytes_of<Rows>::value) {
+          if (k1 < K)
+            next = wr.bytes_of(n0, rows, k1, std::min(K, k1 + kc));
+          else if (n0 + rows < N)
+            next = wr.bytes_of(n0 + rows, std::min(rows, N - n0 - rows), 0, std::min(K, kc));
         }
-        any_bf16 = true;
+        dot_chunk(p, rows, reinterpret_cast<const uint32_t*>(ops.apack.data_ptr<int32_t>()), ops.Kp / 2, k0 / 2,
+                  padded / 2, M, c, k0 > 0, next);
       }
     }
 #endif
@@ -1524,9 +1921,7 @@ void gemm_tile(const Rows& wr, GemmOperands& ops, int64_t n0, int64_t rows, bool
       all_bf16 = false;
     }
   }
-  if (any_bf16) at::native::cpublas::brgemm_release(true);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t r = 0; r < rows; ++r) out[m * N + n0 + r] = c[r * M + m];
+  store_transposed(c, rows, M, out + n0, N);
   prefill_tiles[all_bf16 ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -1562,18 +1957,18 @@ void prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t pane
     bf16 = !ops.a_bits.subnormal && bf16_brgemm_works();
     if (bf16) {
       ops.Kp = ops.K + (ops.K & 1);
-      at::Tensor a16 = A.to(at::kBFloat16);  // exact
-      if (ops.Kp != ops.K) a16 = at::constant_pad_nd(a16, {0, 1});
-      // (k, k+1) pairs of one A row are one int32: A^T in pairs is the int32 transpose.
-      at::Tensor pairs = at::empty({ops.Kp / 2, ops.M}, A.options().dtype(at::kInt));
-      pairs.copy_(a16.view(at::kInt).t());
-      ops.bt16 = pairs.view(at::kBFloat16);
+      ops.apack = pack_activation(A, ops.Kp / 2);
     }
 #endif
-    const int64_t tasks = (N + kTileRows - 1) / kTileRows;
+#if defined(TORCH_BQ_AVX512_BF16)
+    constexpr int64_t task_rows = kDotTaskRows;
+#else
+    constexpr int64_t task_rows = kTileRows;
+#endif
+    const int64_t tasks = (N + task_rows - 1) / task_rows;
     float* o = out.data_ptr<float>();
     run_tasks(tasks, [&](int64_t t) {
-      const int64_t n0 = t * kTileRows, rows = std::min(kTileRows, N - n0);
+      const int64_t n0 = t * task_rows, rows = std::min(task_rows, N - n0);
       gemm_tile(wr, ops, n0, rows, bf16, o, N);
     });
     return;
@@ -1803,6 +2198,189 @@ at::Tensor qdq_fp8(const at::Tensor& x, double peak, bool fp32_out) {
   return out;
 }
 
+// --------------------------------------------------------------------------
+// public-op entry points: the whole CPU body of torch_bq::fp8_linear / fp4_linear
+// --------------------------------------------------------------------------
+//
+// One call from Python per linear (torch_bq/ops/cpu/linear.py): the operands as
+// the public op takes them (x any of bf16/fp16/fp32 [..., K], any strides;
+// weight and scale in their checkpoint dtypes, reinterpreted as bytes, never
+// copied when contiguous; bias any float [N] or None), then bf16(x), the
+// activation qdq (or the bf16 value as fp32), the kernel above, the bias in
+// fp32 and the one rounding to out_dtype, returning [..., N].
+//
+// They take only calls they can run as they are: plain dense CPU tensors
+// (no Python subclass or mode, no functorch wrapper, no conj/neg bit, no meta),
+// no autograd to record (grad mode off or nothing requiring grad), the
+// shapes and dtypes the checks of torch_bq/reference/linear.py accept,
+// contiguous weight and scale and K > 0. Anything else, invalid arguments
+// included, returns an undefined tensor (None in Python) and the Python side
+// runs the named-error checks and its general path: the checks and their
+// messages stay in one place. act_peak and the block's upper bound are
+// checked there too (module arguments are checked once, at construction).
+
+// The ops are CompositeImplicitAutograd (m.def with a function), so a TorchDispatchMode
+// (fake tensors, make_fx, FlopCounter) never sees them, only what they call: they refuse
+// while one is active, and the mode sees the torch_bq:: op instead.
+bool plain_cpu(const at::Tensor& t) {
+  return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && !t.is_conj() && !t.is_neg() &&
+         !t._is_zerotensor() && !t.unsafeGetTensorImpl()->is_python_dispatch() &&
+         !t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::FuncTorchBatched,
+                                                   c10::DispatchKey::FuncTorchGradWrapper})) &&
+         !(t.requires_grad() && at::GradMode::is_enabled());
+}
+
+bool no_mode() { return c10::impl::TorchDispatchModeTLS::stack_len() == 0; }
+
+bool plain_bias(const std::optional<at::Tensor>& bias, int64_t N) {
+  return !bias.has_value() || (plain_cpu(*bias) && bias->dim() == 1 && bias->size(0) == N &&
+                               at::isFloatingType(bias->scalar_type()));
+}
+
+bool act_dtype(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat; }
+
+bool e8m0_codes(at::ScalarType t) { return t == at::kByte || t == at::kFloat8_e8m0fnu; }
+
+// Scratch for the entry points' fp32 A and result: kept per calling thread (no allocation
+// per call) up to kScratchFloats, allocated per call above it.
+constexpr int64_t kScratchFloats = int64_t(1) << 20;
+
+float* scratch(int64_t count, int slot, at::Tensor& holder) {
+  if (count > kScratchFloats) {
+    holder = at::empty({count}, at::TensorOptions().dtype(at::kFloat));
+    return holder.data_ptr<float>();
+  }
+  thread_local std::vector<float> buffers[2];
+  if (static_cast<int64_t>(buffers[slot].size()) < count) buffers[slot].resize(count);
+  return buffers[slot].data();
+}
+
+// A of docs/contract.md §4 into a (fp32 [M, K]): qdq_fp8(bf16(x)) or bf16(x), x [..., K].
+void stage_activation(const at::Tensor& x, int64_t M, int64_t K, bool act_quant, double act_peak, float* a) {
+  at::Tensor xb = x;
+  if (!(x.scalar_type() == at::kBFloat16 && x.is_contiguous())) xb = x.reshape({M, K}).to(at::kBFloat16).contiguous();
+  const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+  if (act_quant) {
+    qdq_rows<true>(xp, M, K, static_cast<float>(1.0 / act_peak), a);  // fp32(1/peak), as qdq_fp8
+  } else {
+    for (int64_t i = 0; i < M * K; ++i) a[i] = f32_from_bits(uint32_t(xp[i]) << 16);
+  }
+}
+
+// out [M, N] of its dtype = round(y + bias): the op's one final rounding. bf16 as torch
+// rounds (nearest even, NaN -> 0x7FC0), float16 through c10::Half, float32 as it is.
+void store_output(const float* y, const float* bias, int64_t M, int64_t N, at::Tensor& out) {
+  const at::ScalarType t = out.scalar_type();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* yr = y + m * N;
+    int64_t n = 0;
+    if (t == at::kBFloat16) {
+      uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr()) + m * N;
+#if defined(TORCH_BQ_AVX2)
+      const __m256i one = _mm256_set1_epi32(1), round = _mm256_set1_epi32(0x7FFF);
+      const __m256i nan = _mm256_set1_epi32(0x7FC0);
+      for (; n + 8 <= N; n += 8) {
+        __m256 v = _mm256_loadu_ps(yr + n);
+        if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n));
+        const __m256i b = _mm256_castps_si256(v);
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, round), lsb), 16);
+        r = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + n),
+                         _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+      }
+#endif
+      for (; n < N; ++n) o[n] = bf16_rne(bias != nullptr ? yr[n] + bias[n] : yr[n]);
+    } else if (t == at::kHalf) {
+      at::Half* o = out.data_ptr<at::Half>() + m * N;
+      for (; n < N; ++n) o[n] = at::Half(bias != nullptr ? yr[n] + bias[n] : yr[n]);
+    } else {
+      float* o = out.data_ptr<float>() + m * N;
+      for (; n < N; ++n) o[n] = bias != nullptr ? yr[n] + bias[n] : yr[n];
+    }
+  }
+}
+
+// The shared body: A staged, the kernel, bias and rounding into the final [..., N] tensor.
+// The decode path touches no ATen op (each costs microseconds from a cold cache): the
+// weight and scale bytes are read through their pointers, whatever their dtype names.
+template <class Fmt>
+at::Tensor run_entry(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                     const std::optional<at::Tensor>& bias, int64_t bn, int64_t bk, bool act_quant,
+                     double act_peak, at::ScalarType out_dtype, int64_t decode_max_m, int64_t panel_bytes) {
+  const int64_t K = x.size(-1), M = x.numel() / K, N = weight.size(0);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::detail::empty_cpu(shape, out_dtype, false, std::nullopt);
+  if (M == 0 || N == 0) return out;
+  at::Tensor a_holder, y_holder, b_holder;
+  float* a = scratch(M * K, 0, a_holder);
+  float* y = scratch(M * N, 1, y_holder);
+  stage_activation(x, M, K, act_quant, act_peak, a);
+  const WeightView w{static_cast<const uint8_t*>(weight.const_data_ptr()), weight.size(1), scale.const_data_ptr(),
+                     scale.size(1), bn, bk, K};
+  const bool codes = scale.scalar_type() != at::kFloat;
+  if (M <= decode_max_m) {
+    if (codes)
+      decode_linear<Fmt, uint8_t>(w, a, M, N, y);
+    else
+      decode_linear<Fmt, float>(w, a, M, N, y);
+  } else {
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor a_t = at::from_blob(a, {M, K}, f32), y_t = at::from_blob(y, {M, N}, f32);
+    if (codes)
+      prefill_linear(QuantizedRows<Fmt, uint8_t>{w}, a_t, N, panel_bytes, y_t);
+    else
+      prefill_linear(QuantizedRows<Fmt, float>{w}, a_t, N, panel_bytes, y_t);
+  }
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    b_holder = bias->scalar_type() == at::kFloat && bias->is_contiguous() ? *bias : bias->to(at::kFloat).contiguous();
+    b = b_holder.const_data_ptr<float>();
+  }
+  store_output(y, b, M, N, out);
+  return out;
+}
+
+at::Tensor fp8_linear_op(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                         const std::optional<at::Tensor>& bias, at::IntArrayRef block, bool act_quant,
+                         double act_peak, at::ScalarType out_dtype, int64_t decode_max_m, int64_t panel_bytes) {
+  if (!(no_mode() && plain_cpu(x) && plain_cpu(weight) && plain_cpu(scale) && act_dtype(x.scalar_type()) &&
+        act_dtype(out_dtype) && x.dim() >= 1 && block.size() == 2))
+    return {};
+  const int64_t bn = block[0], bk = block[1], limit = std::numeric_limits<int32_t>::max();
+  if (!(bn >= 1 && bk >= 1 && bn <= limit && bk <= limit)) return {};
+  if (!(weight.dim() == 2 && weight.is_contiguous() &&
+        (weight.scalar_type() == at::kByte || weight.scalar_type() == at::kFloat8_e4m3fn)))
+    return {};
+  const int64_t N = weight.size(0), K = weight.size(1);
+  if (!(K > 0 && x.size(-1) == K && plain_bias(bias, N) && scale.dim() == 2 && scale.is_contiguous() &&
+        (e8m0_codes(scale.scalar_type()) || scale.scalar_type() == at::kFloat) &&
+        scale.size(0) == (N + bn - 1) / bn && scale.size(1) == (K + bk - 1) / bk))
+    return {};
+  return run_entry<Fp8Format>(x, weight, scale, bias, bn, bk, act_quant, act_peak, out_dtype, decode_max_m,
+                              panel_bytes);
+}
+
+at::Tensor fp4_linear_op(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                         const std::optional<at::Tensor>& bias, bool act_quant, double act_peak,
+                         at::ScalarType out_dtype, int64_t decode_max_m, int64_t panel_bytes) {
+  if (!(no_mode() && plain_cpu(x) && plain_cpu(weight) && plain_cpu(scale) && act_dtype(x.scalar_type()) &&
+        act_dtype(out_dtype) && x.dim() >= 1))
+    return {};
+  const at::ScalarType wt = weight.scalar_type();
+  if (!(weight.dim() == 2 && weight.is_contiguous() &&
+        (wt == at::kByte || wt == at::kChar || wt == at::kFloat4_e2m1fn_x2)))
+    return {};
+  const int64_t N = weight.size(0), K = x.size(-1);
+  if (!(K > 0 && weight.size(1) == (K + 1) / 2 && plain_bias(bias, N) && scale.dim() == 2 &&
+        scale.is_contiguous() && e8m0_codes(scale.scalar_type()) && scale.size(0) == N &&
+        scale.size(1) == (K + 31) / 32))
+    return {};
+  return run_entry<Fp4Format>(x, weight, scale, bias, 1, 32, act_quant, act_peak, out_dtype, decode_max_m,
+                              panel_bytes);
+}
+
 // The decode kernels this build runs for 32-wide e8m0 blocks: "avx512_bf16"
 // (vdpbf16ps, AVX-512 BW + VBMI), "avx2" (fp32 FMA) or "generic" (scalar).
 std::string decode_isa() {
@@ -1827,11 +2405,52 @@ std::vector<int64_t> prefill_counts() {
   return {prefill_tiles[0].load(), prefill_tiles[1].load(), prefill_tiles[2].load()};
 }
 
+// W rows per prefill task (the generic build: the fewest rows of an at::mm panel).
+int64_t prefill_task_rows() {
+#if defined(TORCH_BQ_AVX512_BF16)
+  return kDotTaskRows;
+#else
+  return kTileRows;
+#endif
+}
+
 // The level this library was compiled for (torch_bq/ops/cpu/isa.py: LEVELS).
 std::string isa() { return TORCH_BQ_STR(TORCH_BQ_ISA); }
 
 }  // namespace
 }  // namespace torch_bq_cpu
+
+// --------------------------------------------------------------------------
+// lent to the other sources of this library (shared.h: nvfp4.cpp)
+// --------------------------------------------------------------------------
+
+namespace torch_bq_cpu {
+namespace {
+// A RowDecoder as prefill_linear's Rows: fp32 panels only. Its bf16 answer
+// (nothing written, "subnormal") keeps every tile on the fp32 microkernel.
+struct DecoderRows {
+  const torch_bq_cpu_shared::RowDecoder& rows;
+  int64_t chunk_align() const { return rows.chunk_align(); }
+  void fp32(int64_t n, int64_t k0, int64_t k1, float* dst) const { rows.fp32(n, k0, k1, dst); }
+  LowBits bf16(int64_t, int64_t, int64_t, uint16_t*, float*) const { return {0, true}; }
+};
+}  // namespace
+}  // namespace torch_bq_cpu
+
+namespace torch_bq_cpu_shared {
+
+const float* e4m3_values() { return torch_bq_cpu::kTables.e4m3; }
+const float* e2m1_values() { return torch_bq_cpu::kTables.fp4; }
+
+void run_tasks(int64_t count, void (*body)(const void* ctx, int64_t i), const void* ctx) {
+  torch_bq_cpu::run_tasks(count, [&](int64_t i) { body(ctx, i); });
+}
+
+void prefill_fp32(const RowDecoder& rows, const at::Tensor& A, int64_t N, int64_t panel_bytes, at::Tensor& out) {
+  torch_bq_cpu::prefill_linear(torch_bq_cpu::DecoderRows{rows}, A, N, panel_bytes, out);
+}
+
+}  // namespace torch_bq_cpu_shared
 
 
 TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
@@ -1844,7 +2463,17 @@ TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
   m.def("fp4_linear(Tensor a, Tensor weight, Tensor scale, Tensor? bias, int decode_max_m, int panel_bytes) -> Tensor",
         &torch_bq_cpu::fp4_linear);
   m.def("dense_linear(Tensor a, Tensor weight, Tensor? bias, int panel_bytes) -> Tensor", &torch_bq_cpu::dense_linear);
+  // The public ops' entry points (see "public-op entry points"): None for calls they do not take.
+  m.def(
+      "fp8_linear_op(Tensor x, Tensor weight, Tensor scale, Tensor? bias, int[] block, bool act_quant, "
+      "float act_peak, ScalarType out_dtype, int decode_max_m, int panel_bytes) -> Tensor",
+      &torch_bq_cpu::fp8_linear_op);
+  m.def(
+      "fp4_linear_op(Tensor x, Tensor weight, Tensor scale, Tensor? bias, bool act_quant, float act_peak, "
+      "ScalarType out_dtype, int decode_max_m, int panel_bytes) -> Tensor",
+      &torch_bq_cpu::fp4_linear_op);
   m.def("vectorized() -> bool", &torch_bq_cpu::vectorized);
   m.def("prefill_counts() -> int[]", &torch_bq_cpu::prefill_counts);
+  m.def("prefill_task_rows() -> int", &torch_bq_cpu::prefill_task_rows);
   m.def("decode_isa() -> str", &torch_bq_cpu::decode_isa);
 }

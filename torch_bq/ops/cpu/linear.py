@@ -1,10 +1,17 @@
-"""CPU kernels of ``torch_bq::fp8_linear``, ``fp4_linear``, ``bf16_linear``, ``fp32w_linear`` and ``qdq_fp8``.
+"""CPU kernels of ``torch_bq::fp8_linear``, ``fp4_linear``, ``nvfp4_linear``, ``bf16_linear``, ``fp32w_linear``
+and ``qdq_fp8``.
 
 Twins of :mod:`torch_bq.reference.linear` and :func:`torch_bq.formats.qdq_fp8`:
 same positional signatures, same results (qdq bit-exact; linear up to fp32
-summation order). The math lives in ``kernels.cpp`` (see its header for the
-decode / prefill layouts); this module prepares the operands and falls back
-to the reference when the compiled kernels are unavailable. The kernels of the
+summation order). The math lives in ``kernels.cpp`` and, for NVFP4,
+``nvfp4.cpp`` (see their headers for the decode / prefill layouts).
+``fp8_linear`` / ``fp4_linear`` first try the one-call
+entry points (``fp8_linear_op`` / ``fp4_linear_op``: bf16(x), qdq, kernel, bias and
+output rounding in C++), which refuse anything unusual or invalid; then this
+module checks the arguments (the named errors), prepares the operands for the
+kernels itself, or falls back to the reference when the compiled kernels are
+unavailable. ``direct_fp8_linear`` / ``direct_fp4_linear`` call the entry points
+from eager code without the dispatcher (see there). The kernels of the
 ISA level :mod:`torch_bq.ops._backend` selected run; ``_backend.fast_kernels_disabled()``
 switches these registrations off (torch.library's ``set_kernel_enabled``).
 
@@ -17,7 +24,8 @@ Tuning:
   the format and on K (``DECODE_MAX_M``: measured crossovers).
 * ``PANEL_BYTES``: the fp32 panel size of the prefill path where it runs at::mm
   (the generic build, or MKLDNN switched off); the microkernel path of the
-  other builds uses fixed 64-row tiles (see kernels.cpp).
+  other builds uses fixed tasks of 96 (AVX-512 BF16) or 64 weight rows and K
+  chunks of 1024 (see kernels.cpp's prefill section).
 """
 
 from __future__ import annotations
@@ -31,7 +39,10 @@ from ...reference import linear as ref
 from .. import _backend
 from .. import linear as op_defs
 
-__all__ = ["DECODE_MAX_M", "PANEL_BYTES", "decode_max_m", "fp8_linear", "fp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8"]
+__all__ = [
+    "DECODE_MAX_M", "NVFP4_DECODE_MAX_M", "PANEL_BYTES", "decode_max_m", "direct_fp8_linear", "direct_fp4_linear",
+    "fp8_linear", "fp4_linear", "nvfp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8",
+]
 
 # The decode path's largest row count, by the decode kernels of the build
 # (the kernels' ``decode_isa()``) and the format: where the prefill path becomes
@@ -51,13 +62,23 @@ DECODE_MAX_M = {
     "avx2": {"fp8": 16, "fp4": 16, "long_k": (16384, 8)},
     "generic": {"fp8": 16, "fp4": 16, "long_k": None},
 }
+# NVFP4 (nvfp4.cpp), by the build's NVFP4 decode kernels (the kernels'
+# ``nvfp4_decode_isa()``: fp32 FMA at every level, 16 lanes from AVX-512 on;
+# the prefill path is the fp32 microkernel everywhere). Measured on 1 thread,
+# 4096x4096 (Zen 5, 2026-12-01, a loaded machine): AVX-512 crosses over between
+# M = 24 and 32, AVX2 between 8 and 16; the generic build's scalar decode loses
+# to its at::mm panels (MKL's own AVX-512 here) from M = 1, so only M = 1 stays.
+NVFP4_DECODE_MAX_M = {"avx512": 24, "avx2": 8, "generic": 1}
 PANEL_BYTES = 4 << 20
 
 _decode_isa: dict = {}
 
 
 def decode_max_m(kernels, fmt: str, k: int) -> int:
-    """Largest ``M`` that ``kernels`` run on the decode path for format ``fmt`` (``"fp8"``/``"fp4"``) and ``K = k``."""
+    """Largest ``M`` that ``kernels`` run on the decode path for format ``fmt`` (``"fp8"``/``"fp4"``/``"nvfp4"``)
+    and ``K = k``."""
+    if fmt == "nvfp4":
+        return NVFP4_DECODE_MAX_M[kernels.nvfp4_decode_isa()]
     isa = _decode_isa.get(id(kernels))
     if isa is None:
         isa = kernels.decode_isa() if hasattr(kernels, "decode_isa") else "avx2" if kernels.vectorized() else "generic"
@@ -67,6 +88,87 @@ def decode_max_m(kernels, fmt: str, k: int) -> int:
     if long_k is not None and k > long_k[0]:
         return long_k[1]
     return limits[fmt]
+
+
+# --------------------------------------------------------------------------- #
+# the one-call entry points (kernels.cpp, "public-op entry points")
+# --------------------------------------------------------------------------- #
+#
+# ``fp8_linear_op`` / ``fp4_linear_op`` do the whole op (bf16(x), qdq, kernel,
+# bias, rounding to out_dtype) in one C++ call and return None for any call they
+# do not take (invalid arguments among them): then the checks below raise their
+# named errors, or the general path runs. The peak's range is checked here, not
+# in C++, so that its bounds live only in torch_bq.formats.
+
+
+def _fp8_entry(kernels, x, weight, scale, bias, block, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
+    if not formats.MIN_ACT_PEAK <= act_peak <= formats.FP8_MAX:
+        return None
+    try:
+        k = x.shape[-1]
+    except IndexError:  # 0-d x: the checks name it
+        return None
+    return kernels.fp8_linear_op(x, weight, scale, bias, block, act_quant, act_peak, out_dtype,
+                                 decode_max_m(kernels, "fp8", k), PANEL_BYTES)
+
+
+def _fp4_entry(kernels, x, weight, scale, bias, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
+    if not formats.MIN_ACT_PEAK <= act_peak <= formats.FP8_MAX:
+        return None
+    try:
+        k = x.shape[-1]
+    except IndexError:
+        return None
+    return kernels.fp4_linear_op(x, weight, scale, bias, act_quant, act_peak, out_dtype,
+                                 decode_max_m(kernels, "fp4", k), PANEL_BYTES)
+
+
+# Tensor types a direct call takes as they are (nn.Parameter overrides nothing of torch's).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_args(x, weight, scale, bias, act_quant, out_dtype) -> bool:
+    """Plain tensors and exact Python types: anything else goes to the op, whose schema and checks
+    report it in the op's own words (a numpy bool or a dtype's name would otherwise reach the
+    entry op's argument parser)."""
+    return (type(x) in _PLAIN and type(weight) in _PLAIN and type(scale) in _PLAIN
+            and (bias is None or type(bias) in _PLAIN) and type(act_quant) is bool
+            and type(out_dtype) is torch.dtype)
+
+
+def direct_fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
+    """:func:`fp8_linear` called without the ``torch_bq::`` dispatcher, or ``None`` when it must not be.
+
+    For eager calls of the public op (:func:`torch_bq.ops.fp8_linear`, the modules),
+    never under ``torch.compile`` (the caller checks ``torch.compiler.is_compiling()``
+    first) and with ``block`` already checked: the custom-op layers (Python autograd
+    and kernel wrappers) cost more than a whole M = 1 kernel call on small weights
+    from a cold cache. Taken only for plain tensors and where skipping the
+    dispatcher changes nothing (:func:`torch_bq.ops._backend.direct_call_allowed`);
+    the entry op itself refuses dispatch modes and anything autograd must record.
+    ``None``: call the op.
+    """
+    if _plain_args(x, weight, scale, bias, act_quant, out_dtype) and _backend.direct_call_allowed(
+            op_defs._fp8_linear, "cpu"):
+        kernels = _backend.cpu_kernels()
+        if kernels is not None:
+            return _fp8_entry(kernels, x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
+    return None
+
+
+def direct_fp4_linear(x, weight, scale, bias, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
+    """:func:`fp4_linear` without the ``torch_bq::`` dispatcher, or ``None``; see :func:`direct_fp8_linear`."""
+    if _plain_args(x, weight, scale, bias, act_quant, out_dtype) and _backend.direct_call_allowed(
+            op_defs._fp4_linear, "cpu"):
+        kernels = _backend.cpu_kernels()
+        if kernels is not None:
+            return _fp4_entry(kernels, x, weight, scale, bias, act_quant, act_peak, out_dtype)
+    return None
+
+
+# --------------------------------------------------------------------------- #
+# the general path (and the dispatcher's kernels)
+# --------------------------------------------------------------------------- #
 
 
 def _activation(kernels, x: torch.Tensor, act_quant: bool, act_peak: float) -> torch.Tensor:
@@ -95,6 +197,9 @@ def fp8_linear(
     kernels = _backend.cpu_kernels()
     if kernels is None:
         return ref.fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
+    y = _fp8_entry(kernels, x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
+    if y is not None:
+        return y
     ref.check_fp8_linear_args(x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
     if weight.shape[1] == 0:
         return ref.zero_k_linear(x, weight.shape[0], bias, out_dtype)
@@ -126,6 +231,9 @@ def fp4_linear(
     kernels = _backend.cpu_kernels()
     if kernels is None:
         return ref.fp4_linear(x, weight, scale, bias, act_quant, act_peak, out_dtype)
+    y = _fp4_entry(kernels, x, weight, scale, bias, act_quant, act_peak, out_dtype)
+    if y is not None:
+        return y
     ref.check_fp4_linear_args(x, weight, scale, bias, act_quant, act_peak, out_dtype)
     if x.shape[-1] == 0:
         return ref.zero_k_linear(x, weight.shape[0], bias, out_dtype)
@@ -135,6 +243,35 @@ def fp4_linear(
         formats.as_e8m0_codes(scale).contiguous(),
         _bias(bias),
         decode_max_m(kernels, "fp4", x.shape[-1]),
+        PANEL_BYTES,
+    )
+    return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def nvfp4_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_scale_2: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    act_quant: bool,
+    act_peak: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``[..., K] x nvfp4 [N, ceil(K/2)] -> [..., N]``; see :func:`torch_bq.ops.nvfp4_linear`."""
+    kernels = _backend.cpu_kernels()
+    if kernels is None:
+        return ref.nvfp4_linear(x, weight, weight_scale, weight_scale_2, bias, act_quant, act_peak, out_dtype)
+    ref.check_nvfp4_linear_args(x, weight, weight_scale, weight_scale_2, bias, act_quant, act_peak, out_dtype)
+    if x.shape[-1] == 0:
+        return ref.zero_k_linear(x, weight.shape[0], bias, out_dtype)
+    y = kernels.nvfp4_linear(
+        _activation(kernels, x, act_quant, act_peak),
+        formats.as_fp4_bytes(weight).contiguous(),
+        weight_scale.view(torch.uint8).contiguous(),  # the E4M3FN bytes
+        weight_scale_2.reshape(1),
+        _bias(bias),
+        decode_max_m(kernels, "nvfp4", x.shape[-1]),
         PANEL_BYTES,
     )
     return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
@@ -177,7 +314,10 @@ def qdq_fp8(x: torch.Tensor, peak: float) -> torch.Tensor:
 
 
 _backend.register_fast_kernel(op_defs._fp8_linear, "cpu", fp8_linear)
+op_defs.register_direct("fp8_linear", direct_fp8_linear)
+op_defs.register_direct("fp4_linear", direct_fp4_linear)
 _backend.register_fast_kernel(op_defs._fp4_linear, "cpu", fp4_linear)
+_backend.register_fast_kernel(op_defs._nvfp4_linear, "cpu", nvfp4_linear)
 _backend.register_fast_kernel(op_defs._qdq_fp8, "cpu", qdq_fp8)
 _backend.register_fast_kernel(op_defs._bf16_linear, "cpu", bf16_linear)
 _backend.register_fast_kernel(op_defs._fp32w_linear, "cpu", fp32w_linear)
