@@ -45,6 +45,7 @@ Usage::
     python -m benchmarks.ggml_side_by_side                  # both ISAs, full grid
     python -m benchmarks.ggml_side_by_side --quick          # one shape, a few M
     python -m benchmarks.ggml_side_by_side --isa native --shapes 4096x4096 --rows 1,4,16
+    python -m benchmarks.ggml_side_by_side --crossover      # decode vs prefill path (DECODE_MAX_M)
 """
 
 from __future__ import annotations
@@ -411,6 +412,20 @@ def ratio_table(run: dict) -> str:
     return "\n".join(out)
 
 
+def per_row_table(run: dict) -> str:
+    """Kernel-call time per row (microseconds), one column per shape and format."""
+    rows = run["results"]
+    shapes = list(dict.fromkeys((r["n"], r["k"]) for r in rows))
+    cols = [(n, k, fmt) for n, k in shapes for fmt in ("fp8", "fp4")]
+    by = {(r["n"], r["k"], r["m"]): r for r in rows}
+    out = [f"\n**{run['meta']['isa']}: kernel call, microseconds per row**\n",
+           "| M | " + " | ".join(f"{n}x{k} {fmt}" for n, k, fmt in cols) + " |", "|" + "---:|" * (len(cols) + 1)]
+    for m in sorted({r["m"] for r in rows}):
+        cells = [f"{by[(n, k, m)][fmt + '-kernel'] / m * 1e6:.1f}" if (n, k, m) in by else "" for n, k, fmt in cols]
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def m1_table(run: dict) -> str:
     """M = 1 per shape: the public op, the module and the kernel call alone, each over ggml's time."""
     rows = [r for r in run["results"] if r["m"] == 1 and "fp8-module" in r]
@@ -427,7 +442,7 @@ def m1_table(run: dict) -> str:
 
 
 def cliffs(run: dict) -> list[str]:
-    """Consecutive row counts M -> M + 1 where the time per row rises by more than 10%."""
+    """Consecutive row counts M -> M + 1 where the time per row rises by more than 10% (op and kernel call)."""
     found = []
     rows = run["results"]
     for n, k in dict.fromkeys((r["n"], r["k"]) for r in rows):
@@ -435,7 +450,7 @@ def cliffs(run: dict) -> list[str]:
         for a, b in zip(sub, sub[1:]):
             if b["m"] != a["m"] + 1:
                 continue
-            for fmt in ("fp8", "fp4"):
+            for fmt in ("fp8", "fp8-kernel", "fp4", "fp4-kernel"):
                 rise = (b[fmt] / b["m"]) / (a[fmt] / a["m"])
                 if rise > 1.10:
                     found.append(f"{run['meta']['isa']} {n}x{k} {fmt}: M={a['m']}->{b['m']} time/row x{rise:.2f}")
@@ -512,8 +527,56 @@ def report(runs: list[dict]) -> None:
         print(m1_table(run))
         print()
         print(summary(run))
+        print(per_row_table(run))
         found = cliffs(run)
         print("\ncliffs (time per row up > 10% from M to M + 1): " + ("; ".join(found) if found else "none"))
+
+
+CROSSOVER_ROWS = [16, 24, 32, 48, 64, 96, 128]
+
+
+def crossover(shapes, rows, reps: int) -> None:
+    """Decode path forced vs prefill path forced, kernel calls at the selected ISA level: the
+    measurements behind ``torch_bq.ops.cpu.linear.DECODE_MAX_M`` (the decode path should run up to
+    the largest M where it is not slower per row)."""
+    import torch
+
+    from torch_bq import formats
+    from torch_bq.ops import _backend
+    from torch_bq.ops.cpu import linear as fast
+
+    torch.set_num_threads(1)
+    kernels = _backend.cpu_kernels()
+    if kernels is None:
+        raise RuntimeError("torch_bq's compiled CPU kernels are unavailable")
+    print(f"CPU: {cpu_model()}; torch_bq {kernels.isa()} library, {kernels.decode_isa()} decode; "
+          f"load average {load()}", flush=True)
+    timer = Timer(reps)
+    print("| shape | M | fp8 decode | fp8 prefill | fp4 decode | fp4 prefill |  (kernel call, ms per row)")
+    print("|---|---:|---:|---:|---:|---:|")
+    for n, k in shapes:
+        torch.manual_seed(0)
+        w = torch.randn(n, k, dtype=torch.bfloat16)
+        d8, s8 = formats.quantize_fp8(w)
+        p4, s4 = formats.quantize_fp4(w)
+        d8b, s8b = formats.as_fp8_bytes(d8), formats.as_e8m0_codes(s8)
+        p4b, s4b = formats.as_fp4_bytes(p4), formats.as_e8m0_codes(s4)
+        del w
+        last = {"fp8": 0, "fp4": 0}
+        for m in rows:
+            a = kernels.qdq_fp8(torch.randn(m, k, dtype=torch.bfloat16), 224.0, True)
+            t = timer({
+                "fp8 decode": lambda: kernels.fp8_linear(a, d8b, s8b, None, 32, 32, 1 << 30, fast.PANEL_BYTES),
+                "fp8 prefill": lambda: kernels.fp8_linear(a, d8b, s8b, None, 32, 32, 0, fast.PANEL_BYTES),
+                "fp4 decode": lambda: kernels.fp4_linear(a, p4b, s4b, None, 1 << 30, fast.PANEL_BYTES),
+                "fp4 prefill": lambda: kernels.fp4_linear(a, p4b, s4b, None, 0, fast.PANEL_BYTES),
+            })
+            for fmt in last:
+                if t[f"{fmt} decode"] <= t[f"{fmt} prefill"]:
+                    last[fmt] = m
+            print(f"| {n} x {k} | {m} | " + " | ".join(f"{v / m * 1e3:.3f}" for v in t.values()) + " |", flush=True)
+        print(f"|  {n} x {k}: largest M where decode <= prefill: fp8 {last['fp8']}, fp4 {last['fp4']} |")
+    print(f"load average after: {load()}")
 
 
 def main() -> None:
@@ -528,10 +591,15 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the raw results here")
     parser.add_argument("--plot", type=Path, default=Path("docs/ggml_side_by_side.png"))
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--crossover", action="store_true",
+                        help=f"time the decode path against the prefill path instead (no ggml; M default {CROSSOVER_ROWS})")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else (
         SHAPES[:1] if args.quick else SHAPES)
+    if args.crossover:
+        crossover(shapes, [int(v) for v in args.rows.split(",")] if args.rows else CROSSOVER_ROWS, args.reps)
+        return
     rows = [int(v) for v in args.rows.split(",")] if args.rows else (QUICK_ROWS if args.quick else ROWS)
     if os.environ.get("OMP_NUM_THREADS") != "1":
         print("note: set OMP_NUM_THREADS=1 for this benchmark (it times one thread)")

@@ -334,7 +334,7 @@ def test_prefill_runs_the_gemm_of_its_level(level):
     """bf16 microkernel with AVX512_BF16, fp32 microkernel with AVX2 / AVX-512, at::mm panels without."""
     torch.manual_seed(1)
     d, s = formats.quantize_fp8(torch.randn(130, 96))
-    x = torch.randn(40, 96)
+    x = torch.randn(max(limits["fp8"] for limits in fast.DECODE_MAX_M.values()) + 1, 96)  # the prefill path
     before = prefill_counts(level)
     y = FP8[level](x, d, s, None, [32, 32], True, 224.0, torch.float32)
     grown = prefill_counts(level) - before
@@ -418,10 +418,11 @@ PREFILL_EDGES = [
 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("m, extra, k, block, scale_dtype", PREFILL_EDGES)
-def test_prefill_tile_edges(level, m, extra, k, block, scale_dtype):
+def test_prefill_tile_edges(level, m, extra, k, block, scale_dtype, monkeypatch):
     """Prefill at shapes that leave a remainder in every tile dimension; dropping any tile edge
     (the last rows of a task or register tile, the last A rows of a block, the last K pair or
     chunk) leaves outputs without their terms, which the derived bound catches."""
+    monkeypatch.setattr(fast, "decode_max_m", lambda kernels, fmt, k: 0)  # these M may sit below DECODE_MAX_M
     torch.manual_seed(m + k)
     n = 2 * _backend.cpu_kernels(level).prefill_task_rows() + extra
     before = prefill_counts(level)
@@ -611,6 +612,29 @@ def test_fp4_extreme_scale_codes(impl, m, low, path):
     assert torch.isfinite(w).all()
     x = torch.randn(m, k) * (2.0**100 if low else 2.0**-100)
     y = FP4[impl](x, packed, codes, None, False, 224.0, torch.float32)
+    assert_linear_close(y, x.to(torch.bfloat16), w)
+
+
+@impls
+@pytest.mark.parametrize("m", [4, 5, 6, 9, 16, 28, 33])
+@pytest.mark.parametrize("block", [(1, 32), (32, 32)])
+def test_fp8_small_scales_the_folded_tiles_must_refuse(impl, m, block, path):
+    """From 5 rows the bf16 kernels fold each 32-block's scale into the decoded bf16 weights (an
+    exponent add), a K-block of 8 weight rows at a time. That is exact only while w * s is a normal
+    bf16: codes below 10 would wrap the exponent into a huge or negative value. Blocks with such
+    codes sit among ordinary ones, in the first and the last K-block and in a partial row group
+    (N = 21), so a kernel that folded them anyway, or that lost a row group it handed to the
+    general tiles, fails here."""
+    torch.manual_seed(m)
+    n, k = 21, 32 * 33 + 5  # three K-blocks of 8 groups, the last one partial; 2 row groups + 5 rows
+    data = torch.randint(0, 0x7F, (n, k), dtype=torch.uint8) | (torch.randint(0, 2, (n, k), dtype=torch.uint8) << 7)
+    data[(data & 0x7F) == 0x7F] = 0x3E  # no NaN bytes: not weights (docs/contract.md §1)
+    codes = torch.randint(120, 135, (-(-n // block[0]), -(-k // 32)), dtype=torch.uint8)
+    codes[-1, 0] = 5  # w * s down to 2**-131: an fp32 subnormal, exact; a bf16 exponent add would wrap
+    codes[0, -1] = 9
+    w = formats.dequantize_fp8(data, codes, block, torch.float32)
+    x = torch.randn(m, k) * 2.0**60  # products of the tiny scaled weights stay normal
+    y = FP8[impl](x, data, codes, None, list(block), False, 224.0, torch.float32)
     assert_linear_close(y, x.to(torch.bfloat16), w)
 
 

@@ -744,19 +744,11 @@ void run_tasks(int64_t count, const Task& task) {
 //     s16 = e8m0 scales of the span (per row)
 //     for group g: w0, w1 = decode(W[n, g]); for m: t = dot(w0, A0) + dot(w1, A1)
 //                  acc[m][n] += t * s16[lanes of g]
-// Tiles: up to 3 rows, NT = 4 weight rows x MT = 1-3 rows with the per-lane
-// scales above. From 4 rows the scales move out of the inner loop: MXFP4
-// folds them into the decoded weights (fp4_scaled_tile), fp8 with row-block
-// scales into a per-task copy of A (fp8_prescaled_rows); both run NT = 4 x
-// MT <= 4 register tiles, one accumulator each, two vdpbf16ps per group;
-// from 5 rows the first row tile also stores the decoded weights to an L2
-// scratch that the later row tiles read (scratch_tile). Other fp8 blocks
-// (1 x 32) keep the per-lane scales: NT = 2 x MT <= 8 up to 8 rows, then
-// NT = 1 x MT <= 8. Tiles prefetch the weight rows two tiles ahead (and their
-// scales): short row streams do not train the hardware prefetchers.
-// Row tiles of 1-2 rows keep two accumulators per pair (one dependent
-// vdpbf16ps per group); still, M = 5 (two row tiles) costs 1.25-1.4x per row
-// what M = 4 does.
+// Tiles: few rows (fp8 up to 3, fp4 up to 4), NT = 4 weight rows x MT = 1-4
+// rows with the per-lane scales above; from there the folded K-block tiles
+// (section "From Fold<D>::kMinRows rows" below), for every e8m0 block height.
+// Tiles prefetch the weight rows ahead (and their scales): short row streams
+// do not train the hardware prefetchers.
 namespace dotbf16 {
 
 constexpr int64_t kGroup = 64;
@@ -861,38 +853,48 @@ inline __m512 e8m0x16(const uint8_t* codes, __mmask16 valid) {
 // zero), or -1 when a value is not exactly bf16 (then A cannot take this path);
 // the largest field goes to *max_field_out (0 when A is all zero).
 template <class D>
-int prepare_activation(const float* A, int64_t M, int64_t K, int64_t kp, uint16_t* dst, int* max_field_out) {
-  int64_t source[kGroup];
-  for (int64_t j = 0; j < kGroup; ++j) source[j] = D::element(j);
-  uint32_t min_field = 255, max_field = 0, low_bits = 0;
+int prepare_activation(const float* A, int64_t M, int64_t K, int64_t kp, int64_t stride, uint16_t* dst,
+                       int* max_field_out) {
+  // The 64 words of a group in natural order are two registers; one
+  // two-register word permute per output register puts them in D's order.
+  alignas(64) uint16_t order[kGroup];
+  for (int64_t j = 0; j < kGroup; ++j) order[j] = static_cast<uint16_t>(D::element(j));
+  const __m512i idx0 = _mm512_load_si512(order), idx1 = _mm512_load_si512(order + 32);
+  __m512i min_field = _mm512_set1_epi32(255), max_field = _mm512_setzero_si512(), low_bits = _mm512_setzero_si512();
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), low = _mm512_set1_epi32(0xFFFF);
   for (int64_t m = 0; m < M; ++m) {
     const float* a = A + m * K;
-    uint16_t* d = dst + m * kp;
-    for (int64_t g = 0; g < kp / kGroup; ++g) {
-      const int64_t k0 = g * kGroup;
-      for (int64_t j = 0; j < kGroup; ++j) {
-        const int64_t k = k0 + source[j];
-        const uint32_t bits = k < K ? bits_from_f32(a[k]) : 0u;
-        const uint32_t magnitude = bits & 0x7FFFFFFFu;
-        low_bits |= bits & 0xFFFFu;
-        if (magnitude != 0) {
-          min_field = std::min(min_field, magnitude >> 23);
-          max_field = std::max(max_field, magnitude >> 23);
-        }
-        d[k0 + j] = static_cast<uint16_t>(bits >> 16);
+    uint16_t* d = dst + m * stride;
+    for (int64_t k0 = 0; k0 < kp; k0 += kGroup) {
+      __m256i words[4];
+      for (int q = 0; q < 4; ++q) {
+        const int64_t left = K - (k0 + 16 * q);
+        const __mmask16 valid = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+        const __m512i bits = _mm512_castps_si512(_mm512_maskz_loadu_ps(valid, a + k0 + 16 * q));
+        low_bits = _mm512_ternarylogic_epi32(low_bits, bits, low, 0xF8);  // low_bits | (bits & low)
+        const __m512i mag = _mm512_and_si512(bits, magnitude);
+        const __m512i field = _mm512_srli_epi32(mag, 23);
+        min_field = _mm512_mask_min_epu32(min_field, _mm512_test_epi32_mask(mag, mag), min_field, field);
+        max_field = _mm512_max_epu32(max_field, field);
+        words[q] = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
       }
+      const __m512i n0 = _mm512_inserti64x4(_mm512_castsi256_si512(words[0]), words[1], 1);
+      const __m512i n1 = _mm512_inserti64x4(_mm512_castsi256_si512(words[2]), words[3], 1);
+      _mm512_storeu_si512(d + k0, _mm512_permutex2var_epi16(n0, idx0, n1));
+      _mm512_storeu_si512(d + k0 + 32, _mm512_permutex2var_epi16(n0, idx1, n1));
     }
   }
-  if (max_field_out != nullptr) *max_field_out = static_cast<int>(max_field);
-  return low_bits != 0 ? -1 : static_cast<int>(min_field);
+  if (max_field_out != nullptr) *max_field_out = static_cast<int>(_mm512_reduce_max_epu32(max_field));
+  if (_mm512_test_epi32_mask(low_bits, low_bits) != 0) return -1;
+  return static_cast<int>(_mm512_reduce_min_epu32(min_field));
 }
 
 struct Problem {
   const WeightView* w;
-  const uint16_t* a;  // bf16 [M, kp]
+  const uint16_t* a;  // bf16 [M, kp], rows a_stride words apart
   int a_min_field;    // smallest exponent field of a nonzero A value (255: none)
   int a_max_field;    // largest (0: none)
-  int64_t kp, ngroups, nblocks, row_bytes;
+  int64_t kp, a_stride, ngroups, nblocks, row_bytes;
   float* out;         // [M, N]
   int64_t N;
 };
@@ -908,7 +910,7 @@ void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
     srows[j] = static_cast<const uint8_t*>(w.scale) + ((n0 + j) / w.bn) * w.scale_stride;
   }
   const uint16_t* arows[MT];
-  for (int i = 0; i < MT; ++i) arows[i] = p.a + (m0 + i) * p.kp;
+  for (int i = 0; i < MT; ++i) arows[i] = p.a + (m0 + i) * p.a_stride;
   __m512 acc[MT][NT];
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -965,173 +967,10 @@ void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
     for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-// MXFP4 with the block scale folded into the decoded bf16 weights, for
-// several activation rows (MT >= 4): the scale then costs nothing per row,
-// and each row is two vdpbf16ps per group. Per group, each block's 16-entry
-// table of e2m1 values gets the block's exponent added to its nonzero
-// entries; one two-table lookup (index bit 5: which block) decodes both.
-// Exact while every scaled value is a normal bf16 (codes 2..252) and every
-// product stays a multiple of 2**-126: a (a multiple of 2**(e_a - 7)) times a
-// multiple of 2**(c - 128) needs e_a + c - 135 >= -126. A tile whose codes
-// do not allow it returns false and takes the general tile.
-struct Fp4ScaledCheck {
-  static bool codes_ok(const uint8_t* srow, int64_t nblocks, int a_min_field) {
-    // e_a = a_min_field - 127 (a_min_field 255: A is zero, any code in range will do).
-    const int lowest = std::max(2, a_min_field == 255 ? 2 : 9 - (a_min_field - 127));
-    if (lowest > 252) return false;
-    const __m512i lo = _mm512_set1_epi8(static_cast<char>(lowest)), hi = _mm512_set1_epi8(static_cast<char>(252));
-    for (int64_t b = 0; b < nblocks; b += 64) {
-      const __mmask64 valid = nblocks - b >= 64 ? ~__mmask64(0) : (__mmask64(1) << (nblocks - b)) - 1;
-      const __m512i c = _mm512_maskz_loadu_epi8(valid, srow + b);
-      if ((_mm512_mask_cmplt_epu8_mask(valid, c, lo) | _mm512_mask_cmpgt_epu8_mask(valid, c, hi)) != 0) return false;
-    }
-    return true;
-  }
-};
-
-// A [MT rows] x decoded weights [NT rows] read back from `scratch` (row j's
-// group g at scratch + (j * ngroups + g) * 64, as fp4_scaled_tile and
-// fp8_prescaled_tile store them): the later row tiles of a weight tile, so a
-// weight row is decoded once per call whatever M is.
-template <int MT, int NT>
-void scratch_tile(const Problem& p, const uint16_t* a_base, const uint16_t* scratch, int64_t m0, int64_t n0) {
-  const uint16_t* arows[MT];
-  for (int i = 0; i < MT; ++i) arows[i] = a_base + (m0 + i) * p.kp;
-  // Below 3 rows, two accumulators per pair: one dependent vdpbf16ps per group, not two.
-  constexpr int kAcc = MT <= 2 ? 2 : 1;
-  __m512 acc[MT][NT][kAcc];
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j)
-      for (int h = 0; h < kAcc; ++h) acc[i][j][h] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < p.ngroups; ++g) {
-    __m512bh w0[NT], w1[NT];
-    for (int j = 0; j < NT; ++j) {
-      const uint16_t* wj = scratch + (j * p.ngroups + g) * kGroup;
-      w0[j] = (__m512bh)_mm512_loadu_si512(wj);
-      w1[j] = (__m512bh)_mm512_loadu_si512(wj + 32);
-    }
-    for (int i = 0; i < MT; ++i) {
-      const __m512bh a0 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup);
-      const __m512bh a1 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup + 32);
-      for (int j = 0; j < NT; ++j) {
-        if constexpr (kAcc == 2) {
-          acc[i][j][0] = _mm512_dpbf16_ps(acc[i][j][0], w0[j], a0);
-          acc[i][j][1] = _mm512_dpbf16_ps(acc[i][j][1], w1[j], a1);
-        } else {
-          acc[i][j][0] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j][0], w0[j], a0), w1[j], a1);
-        }
-      }
-    }
-  }
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(kAcc == 2 ? _mm512_add_ps(acc[i][j][0], acc[i][j][kAcc - 1]) : acc[i][j][0]);
-}
-
-template <int MT, int NT>
-bool fp4_scaled_tile(const Fp4Dot& dec, const Problem& p, int64_t m0, int64_t n0, uint16_t* store) {
-  const WeightView& w = *p.w;
-  const uint8_t* rows[NT];
-  const uint8_t* srows[NT];
-  for (int j = 0; j < NT; ++j) {
-    rows[j] = w.data + (n0 + j) * w.row_stride;
-    srows[j] = static_cast<const uint8_t*>(w.scale) + (n0 + j) * w.scale_stride;
-    if (!Fp4ScaledCheck::codes_ok(srows[j], p.nblocks, p.a_min_field)) return false;
-  }
-  const uint16_t* arows[MT];
-  for (int i = 0; i < MT; ++i) arows[i] = p.a + (m0 + i) * p.kp;
-  // One accumulator per (row, weight row): NT x MT <= 16 registers, and
-  // each group's A values are loaded once for NT weight rows.
-  // Below 3 rows, two accumulators per pair: one dependent vdpbf16ps per group, not two.
-  constexpr int kAcc = MT <= 2 ? 2 : 1;
-  __m512 acc[MT][NT][kAcc];
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j)
-      for (int h = 0; h < kAcc; ++h) acc[i][j][h] = _mm512_setzero_ps();
-  const __m512i nibble = _mm512_set1_epi16(0x0F);
-  // Index bit 5 picks the second table for words 16..31 (the group's second block).
-  const __m512i second = _mm512_maskz_set1_epi16(0xFFFF0000u, 0x20);
-  constexpr __mmask32 kNonzero = 0xFEFE;  // table entries 0 and 8 are +-0
-  const uint8_t* ahead = w.data + (n0 + 2 * NT) * w.row_stride;
-  const int64_t full = p.row_bytes / Fp4Dot::kGroupBytes;
-  for (int64_t g = 0; g < p.ngroups; ++g) {
-    for (int64_t c = 0; c < NT / 2; ++c)
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + (g * (NT / 2) + c) * 64), _MM_HINT_T0);
-    const int64_t b0 = 2 * g, b1 = std::min(2 * g + 1, p.nblocks - 1);  // past the end: any valid code
-    __m512bh even[NT], odd[NT];
-    for (int j = 0; j < NT; ++j) {
-      const __m512i t0 = _mm512_mask_add_epi16(dec.lut, kNonzero, dec.lut,
-                                               _mm512_set1_epi16(static_cast<short>((int(srows[j][b0]) - 127) << 7)));
-      const __m512i t1 = _mm512_mask_add_epi16(dec.lut, kNonzero, dec.lut,
-                                               _mm512_set1_epi16(static_cast<short>((int(srows[j][b1]) - 127) << 7)));
-      const __m256i raw = g < full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + g * 32))
-                                   : _mm256_maskz_loadu_epi8(Fp4Dot::valid_bytes(p.row_bytes, g), rows[j] + g * 32);
-      const __m512i b = _mm512_cvtepu8_epi16(raw);
-      const __m512i idx_even = _mm512_ternarylogic_epi32(b, nibble, second, 0xEA);  // (b & 0x0F) | second
-      const __m512i idx_odd = _mm512_or_si512(_mm512_srli_epi16(b, 4), second);
-      even[j] = (__m512bh)_mm512_permutex2var_epi16(t0, idx_even, t1);
-      odd[j] = (__m512bh)_mm512_permutex2var_epi16(t0, idx_odd, t1);
-      if (store != nullptr) {
-        _mm512_storeu_si512(store + (j * p.ngroups + g) * kGroup, (__m512i)even[j]);
-        _mm512_storeu_si512(store + (j * p.ngroups + g) * kGroup + 32, (__m512i)odd[j]);
-      }
-    }
-    for (int i = 0; i < MT; ++i) {
-      const __m512bh a0 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup);
-      const __m512bh a1 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup + 32);
-      for (int j = 0; j < NT; ++j) {
-        if constexpr (kAcc == 2) {
-          acc[i][j][0] = _mm512_dpbf16_ps(acc[i][j][0], even[j], a0);
-          acc[i][j][1] = _mm512_dpbf16_ps(acc[i][j][1], odd[j], a1);
-        } else {
-          acc[i][j][0] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j][0], even[j], a0), odd[j], a1);
-        }
-      }
-    }
-  }
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(kAcc == 2 ? _mm512_add_ps(acc[i][j][0], acc[i][j][kAcc - 1]) : acc[i][j][0]);
-  return true;
-}
-
-// fp4 from 4 rows: NT = 4 weight rows x m-tiles of near-equal height <= 4;
-// a tile whose scale codes rule out the folded path takes the general one.
-inline void fp4_scaled_rows(const Fp4Dot& dec, const Problem& p, int64_t M, int64_t n0) {
-  const int64_t tiles = (M + 3) / 4;
-  thread_local std::vector<uint16_t> scratch;
-  if (tiles > 1) scratch.resize(4 * p.ngroups * kGroup);
-  uint16_t* store = tiles > 1 ? scratch.data() : nullptr;
-  int64_t m0 = 0;
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t mt = (M - m0) / (tiles - t);
-    if (t == 0) {
-      bool done = false;
-      switch (mt) {
-        case 1: done = fp4_scaled_tile<1, 4>(dec, p, m0, n0, store); break;
-        case 2: done = fp4_scaled_tile<2, 4>(dec, p, m0, n0, store); break;
-        case 3: done = fp4_scaled_tile<3, 4>(dec, p, m0, n0, store); break;
-        default: done = fp4_scaled_tile<4, 4>(dec, p, m0, n0, store); break;
-      }
-      if (!done) {  // codes out of the folded range: the general tile for all of M
-        for (int j = 0; j < 4; ++j)
-          for (int64_t i = 0; i < M; ++i) tile<Fp4Dot, 1, 1>(dec, p, i, n0 + j);
-        return;
-      }
-    } else {
-      switch (mt) {
-        case 1: scratch_tile<1, 4>(p, p.a, store, m0, n0); break;
-        case 2: scratch_tile<2, 4>(p, p.a, store, m0, n0); break;
-        case 3: scratch_tile<3, 4>(p, p.a, store, m0, n0); break;
-        default: scratch_tile<4, 4>(p, p.a, store, m0, n0); break;
-      }
-    }
-    m0 += mt;
-  }
-}
-
 template <class D, int NT>
 void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
-  // Row tiles of near-equal height <= kMaxMT (NT = 1, 2) or <= 3 (NT = 4).
-  constexpr int kMaxMT = NT == 4 ? 3 : 8;
+  // Row tiles of near-equal height <= kMaxMT (NT = 1, 2) or <= 4 (NT = 4).
+  constexpr int kMaxMT = NT == 4 ? 4 : 8;
   const int64_t tiles = (M + kMaxMT - 1) / kMaxMT;
   int64_t m0 = 0;
   for (int64_t t = 0; t < tiles; ++t) {
@@ -1152,137 +991,249 @@ void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
   }
 }
 
-// fp8 with e8m0 scales shared by 16 or more weight rows (bn % 16 == 0, so a
-// 16-row task lies in one row block), from 4 rows: the task's block scales go
-// into a copy of A instead (A'[m, k] = A[m, k] * s[n / bn, k / 32], an exponent
-// add on the bf16 bits, exact), so the decoded weights are used unscaled and
-// every row is two vdpbf16ps per group, as the reference's sum of
-// A * (w * s) is the sum of (A * s) * w exactly. Needs, for every code c of the
-// task, A' normal and finite and every product a multiple of 2**-126: a (a
-// multiple of 2**(e_a - 7)) times s times e4m3 (a multiple of 2**-9) gives
-// e_a + c >= 17; and c <= 246, so w * s is finite as in the reference.
-inline bool fp8_prescale_ok(const uint8_t* srow, int64_t nblocks, int a_min_field, int a_max_field) {
-  uint32_t lo = 255, hi = 0;
-  for (int64_t b = 0; b < nblocks; ++b) {
-    lo = std::min<uint32_t>(lo, srow[b]);
-    hi = std::max<uint32_t>(hi, srow[b]);
-  }
-  if (hi > 246) return false;
-  if (a_min_field == 255) return true;  // A is zero
-  return int(lo) + (a_min_field - 127) >= 17 && a_max_field + (int(hi) - 127) <= 254;
+// --------------------------------------------------------------------------
+// From Fold<D>::kMinRows rows: the weight decoded once per K-block, used by every row
+// --------------------------------------------------------------------------
+//
+// A task's weight rows go in groups of kFoldRows (two 4-row register tiles).
+// For each K-block of kFoldGroups groups (512 elements), the group's rows are
+// decoded once, with their e8m0 block scales folded into the bf16 words (an
+// exponent add on every nonzero word, exact while the result is a normal bf16),
+// into an L1 scratch (8 KiB); then every row tile of A runs over that scratch:
+//   for row group (8 weight rows):
+//     for K-block kb: scratch[8][512] = decode(W[rows, kb]) * scale
+//       for m-tile (MT = 3..5 rows, near-equal heights): for 4-row half h:
+//         acc[m-tile][h] (+)= A[m-tile, kb] . scratch[h]      (vdpbf16ps)
+//     out[m, n0:n0+8] = lane sums of acc[m][0:8]              (one 8-wide store)
+// So every M from there up reads and decodes the weight once; a remainder row
+// costs a shorter row tile, never a second pass over the weight (the tiles
+// this replaced ran 4 rows per weight pass: M = 5 cost 1.2-1.7x per row what
+// M = 4 did). Register tile: MT x 4 accumulators + 8 weight registers + 2 A
+// registers <= 30 of the 32 zmm (MT <= 2 would keep two accumulators per
+// pair, so that each has one dependent vdpbf16ps per group). An m-tile's
+// accumulators go to memory between K-blocks (one load and one store per 16
+// vdpbf16ps); its A rows (MT x 1 KiB) serve both halves from L1. A's rows are
+// padded to a stride that is not a multiple of 4 KiB: otherwise all rows of a
+// K-block fall into the same L1 sets (32 rows, 12 ways). 1 thread, Zen 5:
+// 0.80-0.89x of the vdpbf16ps peak in the tile loop alone (L1 data, MT = 3-5).
+//
+// Below that the per-lane-scale tiles above run (NT = 4 weight rows x MT <= 4
+// rows in registers, one pass): there the decode, not the multiply, is the
+// cost, and the scratch round trip would add to it.
+//
+// The weight rows of the next row group (and their scale rows) are prefetched
+// while this one is decoded: the row streams are short (K bytes each), too
+// short for the hardware prefetchers to ramp up on their own.
+//
+// Folding is exact when every scaled word is a normal, finite bf16 and every
+// product a multiple of 2**-126 (so vdpbf16ps, which flushes subnormals, never
+// meets one): the smallest nonzero weight (fp8 2**-9, fp4 2**-1) times
+// 2**(c - 127) is normal for c >= kMinCode, the largest (448, 6) finite for
+// c <= kMaxCode, and an A value (a multiple of 2**(e_a - 7)) times a multiple
+// of the smallest weight quantum needs c >= kQuantumCode - e_a. The codes are
+// checked per K-block as they are loaded; a row group that meets one out of
+// range runs the per-lane-scale tiles instead (nothing of it is written
+// before its last K-block). fp8 bytes 0x7F / 0xFF are not weights
+// (docs/contract.md §1: loaders refuse them; the ops do not scan values).
+constexpr int64_t kFoldRows = 8;
+constexpr int64_t kFoldGroups = 8;
+constexpr int kFoldMaxMT = 5;
+
+// The exponent add of group gg of a K-block on each bf16 word: words 0-15 get
+// block 2 gg's, words 16-31 block 2 gg + 1's. `ev` holds (code - 127) << 7
+// for the K-block's 16 blocks.
+inline __m512i group_exponents(__m512i ev, int64_t gg) {
+  const __m512i pick = _mm512_add_epi16(_mm512_mask_set1_epi16(_mm512_setzero_si512(), 0xFFFF0000u, 1),
+                                        _mm512_set1_epi16(static_cast<short>(2 * gg)));
+  return _mm512_permutexvar_epi16(pick, ev);
 }
 
-// A' for one row block: word j of group g belongs to block 2g + (j / 16) % 2 (Fp8Dot::element).
-inline void fp8_prescale(const Problem& p, int64_t M, const uint8_t* srow, uint16_t* dst) {
-  const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
-  for (int64_t g = 0; g < p.ngroups; ++g) {
-    const int64_t b0 = 2 * g, b1 = std::min(2 * g + 1, p.nblocks - 1);
-    const __m512i e = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(static_cast<short>((int(srow[b0]) - 127) << 7)),
-                                              _mm512_set1_epi16(static_cast<short>((int(srow[b1]) - 127) << 7)));
-    for (int64_t m = 0; m < M; ++m)
-      for (int h = 0; h < 2; ++h) {
-        const int64_t at = m * p.kp + g * kGroup + 32 * h;
-        const __m512i a = _mm512_loadu_si512(p.a + at);
-        const __mmask32 nonzero = _mm512_test_epi16_mask(a, magnitude);
-        _mm512_storeu_si512(dst + at, _mm512_mask_add_epi16(a, nonzero, a, e));
-      }
+template <class D>
+struct Fold;
+
+template <>
+struct Fold<Fp8Dot> {
+  static constexpr int kMinCode = 10, kMaxCode = 246, kQuantumCode = 17;
+  static constexpr int64_t kMinRows = 4;  // per-lane 4 x 4 tiles measured 1.15-1.25x slower per row at M = 4
+  template <bool kMasked>
+  static void decode(const Fp8Dot& dec, const uint8_t* bytes, __mmask64 valid, __m512i e, uint16_t* dst) {
+    const __m512i raw = kMasked ? _mm512_maskz_loadu_epi8(valid, bytes) : _mm512_loadu_si512(bytes);
+    __m512i w0, w1;
+    dec.bytes(raw, w0, w1);
+    const __m512i magnitude = _mm512_set1_epi16(0x7FFF);  // +-0 keep their bits
+    _mm512_store_si512(dst, _mm512_mask_add_epi16(w0, _mm512_test_epi16_mask(w0, magnitude), w0, e));
+    _mm512_store_si512(dst + 32, _mm512_mask_add_epi16(w1, _mm512_test_epi16_mask(w1, magnitude), w1, e));
   }
+};
+
+template <>
+struct Fold<Fp4Dot> {
+  static constexpr int kMinCode = 2, kMaxCode = 252, kQuantumCode = 9;
+  static constexpr int64_t kMinRows = 5;  // at M = 4 the per-lane tiles were 1.1-1.2x faster
+  // dec.lut holds the 16 e2m1 values twice: entries 0-15 get the first
+  // block's exponent, 16-31 the second's (on the nonzero entries: 0 and 8 are
+  // +-0); index bit 4 picks the block.
+  template <bool kMasked>
+  static void decode(const Fp4Dot& dec, const uint8_t* bytes, __mmask32 valid, __m512i e, uint16_t* dst) {
+    const __m512i table = _mm512_mask_add_epi16(dec.lut, 0xFEFEFEFEu, dec.lut, e);
+    const __m256i raw = kMasked ? _mm256_maskz_loadu_epi8(valid, bytes) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+    const __m512i b = _mm512_cvtepu8_epi16(raw);
+    const __m512i second = _mm512_maskz_set1_epi16(0xFFFF0000u, 0x10);
+    const __m512i nibble = _mm512_set1_epi16(0x0F);
+    _mm512_store_si512(dst, _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(b, nibble, second, 0xEA), table));
+    _mm512_store_si512(dst + 32, _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 4), nibble, second, 0xEA), table));
+  }
+};
+
+// The smallest code the folded path takes for this A (e_a = a_min_field - 127;
+// a_min_field 255: A is zero, kMinCode will do); above Fold<D>::kMaxCode: none.
+template <class D>
+int lowest_fold_code(const Problem& p) {
+  return std::max(Fold<D>::kMinCode, p.a_min_field == 255 ? 0 : Fold<D>::kQuantumCode - (p.a_min_field - 127));
 }
 
-template <int MT, int NT>
-void fp8_prescaled_tile(const Fp8Dot& dec, const Problem& p, const uint16_t* a_scaled, int64_t m0, int64_t n0,
-                        uint16_t* store) {
-  const WeightView& w = *p.w;
-  const uint8_t* rows[NT];
-  for (int j = 0; j < NT; ++j) rows[j] = w.data + (n0 + j) * w.row_stride;
-  const uint16_t* arows[MT];
-  for (int i = 0; i < MT; ++i) arows[i] = a_scaled + (m0 + i) * p.kp;
-  // Below 3 rows, two accumulators per pair: one dependent vdpbf16ps per group, not two.
+// Groups [g0, g0 + groups) of one weight row, scales folded, to dst (group gg
+// at dst + gg * 64); false when a code rules the folded path out.
+// Blocks past the row's end read code 0; their words are zero and stay so.
+template <class D>
+inline bool fold_block(const D& dec, const Problem& p, const uint8_t* row, const uint8_t* srow, int64_t g0,
+                       int64_t groups, int lowest, uint16_t* dst) {
+  const int64_t b0 = 2 * g0, left = p.nblocks - b0;
+  const __mmask16 cvalid = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+  const __m128i c8 = _mm_maskz_loadu_epi8(cvalid, srow + b0);
+  if ((_mm_mask_cmplt_epu8_mask(cvalid, c8, _mm_set1_epi8(static_cast<char>(lowest))) |
+       _mm_mask_cmpgt_epu8_mask(cvalid, c8, _mm_set1_epi8(static_cast<char>(Fold<D>::kMaxCode)))) != 0)
+    return false;
+  const __m256i codes = _mm256_cvtepu8_epi16(c8);
+  const __m512i ev = _mm512_castsi256_si512(_mm256_slli_epi16(_mm256_sub_epi16(codes, _mm256_set1_epi16(127)), 7));
+  const uint8_t* bytes = row + g0 * D::kGroupBytes;
+  if (groups == kFoldGroups && (g0 + kFoldGroups) * D::kGroupBytes <= p.row_bytes) {
+#pragma GCC unroll 8
+    for (int64_t gg = 0; gg < kFoldGroups; ++gg)
+      Fold<D>::template decode<false>(dec, bytes + gg * D::kGroupBytes, 0, group_exponents(ev, gg), dst + gg * kGroup);
+  } else {
+    for (int64_t gg = 0; gg < groups; ++gg)
+      Fold<D>::template decode<true>(dec, bytes + gg * D::kGroupBytes, D::valid_bytes(p.row_bytes, g0 + gg),
+                                     group_exponents(ev, gg), dst + gg * kGroup);
+  }
+  return true;
+}
+
+// acc[MT rows][4 weight rows][kAcc] (+)= A[MT rows, groups] . w (row j's group gg at w + (j * kFoldGroups + gg) * 64).
+template <int MT>
+__attribute__((always_inline)) inline void folded_tile(const uint16_t* w, int64_t groups, const uint16_t* a, int64_t stride, float* acc, bool first) {
   constexpr int kAcc = MT <= 2 ? 2 : 1;
-  __m512 acc[MT][NT][kAcc];
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j)
-      for (int h = 0; h < kAcc; ++h) acc[i][j][h] = _mm512_setzero_ps();
-  const uint8_t* ahead = w.data + (n0 + 2 * NT) * w.row_stride;
-  const int64_t full = p.row_bytes / Fp8Dot::kGroupBytes;
-  for (int64_t g = 0; g < p.ngroups; ++g) {
-    for (int c = 0; c < NT; ++c) _mm_prefetch(reinterpret_cast<const char*>(ahead + (g * NT + c) * 64), _MM_HINT_T0);
-    __m512bh w0[NT], w1[NT];
-    for (int j = 0; j < NT; ++j) {
-      __m512i lo, hi;
-      if (g < full)
-        dec.decode(rows[j], g, lo, hi);
-      else
-        dec.decode_masked(rows[j], g, Fp8Dot::valid_bytes(p.row_bytes, g), lo, hi);
-      w0[j] = (__m512bh)lo;
-      w1[j] = (__m512bh)hi;
-      if (store != nullptr) {
-        _mm512_storeu_si512(store + (j * p.ngroups + g) * kGroup, lo);
-        _mm512_storeu_si512(store + (j * p.ngroups + g) * kGroup + 32, hi);
-      }
+  __m512 r[MT][4][kAcc];
+  if (first) {
+    for (int i = 0; i < MT; ++i)
+      for (int j = 0; j < 4; ++j)
+        for (int h = 0; h < kAcc; ++h) r[i][j][h] = _mm512_setzero_ps();
+  } else {
+    for (int i = 0; i < MT; ++i)
+      for (int j = 0; j < 4; ++j)
+        for (int h = 0; h < kAcc; ++h) r[i][j][h] = _mm512_loadu_ps(acc + ((i * 4 + j) * kAcc + h) * 16);
+  }
+  for (int64_t gg = 0; gg < groups; ++gg) {
+    __m512bh w0[4], w1[4];
+    for (int j = 0; j < 4; ++j) {
+      w0[j] = (__m512bh)_mm512_load_si512(w + (j * kFoldGroups + gg) * kGroup);
+      w1[j] = (__m512bh)_mm512_load_si512(w + (j * kFoldGroups + gg) * kGroup + 32);
+      // Held in registers: left to itself, GCC re-loads them for every row at MT = 3 (30 loads per 24 vdpbf16ps).
+      asm("" : "+v"(w0[j]), "+v"(w1[j]));
     }
     for (int i = 0; i < MT; ++i) {
-      const __m512bh a0 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup);
-      const __m512bh a1 = (__m512bh)_mm512_loadu_si512(arows[i] + g * kGroup + 32);
-      for (int j = 0; j < NT; ++j) {
+      const __m512bh a0 = (__m512bh)_mm512_loadu_si512(a + i * stride + gg * kGroup);
+      const __m512bh a1 = (__m512bh)_mm512_loadu_si512(a + i * stride + gg * kGroup + 32);
+      for (int j = 0; j < 4; ++j) {
         if constexpr (kAcc == 2) {
-          acc[i][j][0] = _mm512_dpbf16_ps(acc[i][j][0], w0[j], a0);
-          acc[i][j][1] = _mm512_dpbf16_ps(acc[i][j][1], w1[j], a1);
+          r[i][j][0] = _mm512_dpbf16_ps(r[i][j][0], w0[j], a0);
+          r[i][j][1] = _mm512_dpbf16_ps(r[i][j][1], w1[j], a1);
         } else {
-          acc[i][j][0] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j][0], w0[j], a0), w1[j], a1);
+          r[i][j][0] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(r[i][j][0], w0[j], a0), w1[j], a1);
         }
       }
     }
   }
   for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(kAcc == 2 ? _mm512_add_ps(acc[i][j][0], acc[i][j][kAcc - 1]) : acc[i][j][0]);
+    for (int j = 0; j < 4; ++j)
+      for (int h = 0; h < kAcc; ++h) _mm512_storeu_ps(acc + ((i * 4 + j) * kAcc + h) * 16, r[i][j][h]);
 }
 
-// Rows [n0, n_end) of one 16-row task: 4-row tiles x m-tiles of near-equal height <= 4.
-// False (nothing written) when the task's codes rule the prescaled path out.
-inline bool fp8_prescaled_rows(const Fp8Dot& dec, const Problem& p, int64_t M, int64_t n0, int64_t n_end,
-                               std::vector<uint16_t>& a_scaled) {
+struct FoldBuffers {
+  std::vector<float> acc;  // [kFoldRows / 4][M][4][slots][16 lanes]
+  alignas(64) uint16_t scratch[kFoldRows * kFoldGroups * kGroup];
+};
+
+// Weight rows [n0, n0 + rows) (rows <= kFoldRows; missing rows decode as zero
+// and are not written) for all M rows. False (nothing written) when a row's
+// codes rule the folded path out.
+template <class D>
+bool folded_rows(const D& dec, const Problem& p, int64_t M, int64_t n0, int64_t rows, FoldBuffers& buf) {
   const WeightView& w = *p.w;
-  const uint8_t* srow = static_cast<const uint8_t*>(w.scale) + (n0 / w.bn) * w.scale_stride;
-  if (!fp8_prescale_ok(srow, p.nblocks, p.a_min_field, p.a_max_field)) return false;
-  a_scaled.resize(M * p.kp);
-  fp8_prescale(p, M, srow, a_scaled.data());
-  const int64_t tiles = (M + 3) / 4;
-  thread_local std::vector<uint16_t> scratch;
-  if (tiles > 1) scratch.resize(4 * p.ngroups * kGroup);
-  uint16_t* store = tiles > 1 ? scratch.data() : nullptr;
-  const uint16_t* as = a_scaled.data();
-  for (int64_t n = n0; n < n_end; n += 4) {
-    const bool four = n + 4 <= n_end;
+  const uint8_t* wrows[kFoldRows];
+  const uint8_t* srows[kFoldRows];
+  for (int64_t j = 0; j < rows; ++j) {
+    wrows[j] = w.data + (n0 + j) * w.row_stride;
+    srows[j] = static_cast<const uint8_t*>(w.scale) + ((n0 + j) / w.bn) * w.scale_stride;
+  }
+  const int lowest = lowest_fold_code<D>(p);
+  if (lowest > Fold<D>::kMaxCode) return false;
+  const int64_t slots = M <= 2 ? 2 : 1;  // the accumulators per (row, weight row) of folded_tile<MT>
+  const int64_t tiles = (M + kFoldMaxMT - 1) / kFoldMaxMT;
+  buf.acc.resize(M * kFoldRows * slots * 16);
+  if (rows < kFoldRows) std::memset(buf.scratch, 0, sizeof(buf.scratch));
+  // The next row group's rows, at the same offsets as the decode, so the
+  // prefetches keep pace with it.
+  const bool ahead = n0 + 2 * kFoldRows <= p.N;
+  for (int64_t g0 = 0; g0 < p.ngroups; g0 += kFoldGroups) {
+    const int64_t groups = std::min(kFoldGroups, p.ngroups - g0);
+    for (int64_t j = 0; j < rows; ++j) {
+      if (ahead) {
+        for (int64_t c = 0; c < groups * D::kGroupBytes; c += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(wrows[j] + kFoldRows * w.row_stride + g0 * D::kGroupBytes + c),
+                       _MM_HINT_T0);
+        if (g0 % (4 * kFoldGroups) == 0)  // and its scales, 64 codes a line
+          _mm_prefetch(reinterpret_cast<const char*>(static_cast<const uint8_t*>(w.scale) +
+                                                     ((n0 + kFoldRows + j) / w.bn) * w.scale_stride + 2 * g0),
+                       _MM_HINT_T0);
+      }
+      if (!fold_block(dec, p, wrows[j], srows[j], g0, groups, lowest, buf.scratch + j * kFoldGroups * kGroup))
+        return false;  // only buf.acc has been written
+    }
+    // m-tiles outside the two 4-row halves: a tile's A rows serve both halves from L1.
     int64_t m0 = 0;
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t mt = (M - m0) / (tiles - t);
-      if (four && t == 0) {
+      const uint16_t* a = p.a + m0 * p.a_stride + g0 * kGroup;
+      for (int64_t h = 0; h < kFoldRows / 4 && 4 * h < rows; ++h) {
+        const uint16_t* wh = buf.scratch + h * 4 * kFoldGroups * kGroup;
+        float* acc = buf.acc.data() + (h * M + m0) * 4 * slots * 16;
         switch (mt) {
-          case 1: fp8_prescaled_tile<1, 4>(dec, p, as, m0, n, store); break;
-          case 2: fp8_prescaled_tile<2, 4>(dec, p, as, m0, n, store); break;
-          case 3: fp8_prescaled_tile<3, 4>(dec, p, as, m0, n, store); break;
-          default: fp8_prescaled_tile<4, 4>(dec, p, as, m0, n, store); break;
-        }
-      } else if (four) {
-        switch (mt) {
-          case 1: scratch_tile<1, 4>(p, as, store, m0, n); break;
-          case 2: scratch_tile<2, 4>(p, as, store, m0, n); break;
-          case 3: scratch_tile<3, 4>(p, as, store, m0, n); break;
-          default: scratch_tile<4, 4>(p, as, store, m0, n); break;
-        }
-      } else {
-        for (int64_t r = n; r < n_end; ++r) {
-          switch (mt) {
-            case 1: fp8_prescaled_tile<1, 1>(dec, p, as, m0, r, nullptr); break;
-            case 2: fp8_prescaled_tile<2, 1>(dec, p, as, m0, r, nullptr); break;
-            case 3: fp8_prescaled_tile<3, 1>(dec, p, as, m0, r, nullptr); break;
-            default: fp8_prescaled_tile<4, 1>(dec, p, as, m0, r, nullptr); break;
-          }
+          case 1: folded_tile<1>(wh, groups, a, p.a_stride, acc, g0 == 0); break;
+          case 2: folded_tile<2>(wh, groups, a, p.a_stride, acc, g0 == 0); break;
+          case 3: folded_tile<3>(wh, groups, a, p.a_stride, acc, g0 == 0); break;
+          case 4: folded_tile<4>(wh, groups, a, p.a_stride, acc, g0 == 0); break;
+          default: folded_tile<5>(wh, groups, a, p.a_stride, acc, g0 == 0); break;
         }
       }
       m0 += mt;
     }
+  }
+  // out[m, n0:n0+8] = lane sums of the 8 accumulators of row m: halves of
+  // each, then a transposing horizontal-add tree, one store per row.
+  const __mmask8 store = static_cast<__mmask8>((1u << rows) - 1);
+  for (int64_t m = 0; m < M; ++m) {
+    __m256 v[kFoldRows];
+    for (int64_t j = 0; j < kFoldRows; ++j) {
+      const float* r = buf.acc.data() + (((j / 4) * M + m) * 4 + j % 4) * slots * 16;
+      __m512 x = _mm512_loadu_ps(r);
+      if (slots == 2) x = _mm512_add_ps(x, _mm512_loadu_ps(r + 16));
+      v[j] = _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+    }
+    const __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 q1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+    _mm256_mask_storeu_ps(p.out + m * p.N + n0, store, sums);
   }
   return true;
 }
@@ -1292,32 +1243,35 @@ template <class Fmt>
 bool linear(const WeightView& w, const float* A, int64_t M, int64_t N, float* out) {
   using D = typename DotFor<Fmt>::type;
   const int64_t kp = (w.K + kGroup - 1) / kGroup * kGroup;
-  std::vector<uint16_t> a(M * kp);
+  // Rows one cache line longer than kp: with a row length that is a multiple
+  // of 4 KiB, the rows of a K-block would all fall into the same L1 sets.
+  // The buffer starts on a cache line, so no 64-byte load of A straddles two.
+  const int64_t a_stride = kp + 32;
+  std::vector<uint16_t> a_buffer(M * a_stride + 32);
+  uint16_t* a = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(a_buffer.data()) + 63) & ~uintptr_t(63));
   int a_max_field = 0;
-  const int a_min_field = prepare_activation<D>(A, M, w.K, kp, a.data(), &a_max_field);
+  const int a_min_field = prepare_activation<D>(A, M, w.K, kp, a_stride, a, &a_max_field);
   if (a_min_field < 0 || (a_min_field != 255 && a_min_field - 127 < D::kMinExponentA)) return false;
   static const D dec;
-  const Problem p{&w, a.data(), a_min_field, a_max_field, kp, kp / kGroup, (w.K + 31) / 32, Fmt::row_bytes(w.K),
+  const Problem p{&w, a, a_min_field, a_max_field, kp, a_stride, kp / kGroup, (w.K + 31) / 32, Fmt::row_bytes(w.K),
                   out, N};
-  const bool fp4_scaled = std::is_same_v<D, Fp4Dot> && M >= 4;
-  const bool fp8_prescaled = std::is_same_v<D, Fp8Dot> && M >= 4 && w.bn % 16 == 0;
-  const int nt = M <= 3 ? 4 : M <= 8 ? 2 : 1;
-  constexpr int64_t kRowsPerTask = 16;  // a multiple of every NT
+  constexpr int64_t kRowsPerTask = 16;  // a multiple of every NT and of kFoldRows
+  if (M >= Fold<D>::kMinRows) {
+    run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
+      thread_local FoldBuffers buf;
+      const int64_t n_end = std::min(N, (t + 1) * kRowsPerTask);
+      for (int64_t n = t * kRowsPerTask; n < n_end; n += kFoldRows) {
+        const int64_t rows = std::min(kFoldRows, n_end - n);
+        if (!folded_rows(dec, p, M, n, rows, buf))  // scales or bytes out of the folded range
+          for (int64_t r = n; r < n + rows; ++r) rows_tile<D, 1>(dec, p, M, r);
+      }
+    });
+    return true;
+  }
   run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
     const int64_t n_end = std::min(N, (t + 1) * kRowsPerTask);
     int64_t n = t * kRowsPerTask;
-    if constexpr (std::is_same_v<D, Fp4Dot>) {
-      if (fp4_scaled)
-        for (; n + 4 <= n_end; n += 4) fp4_scaled_rows(dec, p, M, n);
-    }
-    if constexpr (std::is_same_v<D, Fp8Dot>) {
-      thread_local std::vector<uint16_t> a_scaled;
-      if (fp8_prescaled && fp8_prescaled_rows(dec, p, M, n, n_end, a_scaled)) return;
-    }
-    if (nt == 4)
-      for (; n + 4 <= n_end; n += 4) rows_tile<D, 4>(dec, p, M, n);
-    if (nt >= 2)
-      for (; n + 2 <= n_end; n += 2) rows_tile<D, 2>(dec, p, M, n);
+    for (; n + 4 <= n_end; n += 4) rows_tile<D, 4>(dec, p, M, n);
     for (; n < n_end; ++n) rows_tile<D, 1>(dec, p, M, n);
   });
   return true;

@@ -18,9 +18,10 @@ switches these registrations off (torch.library's ``set_kernel_enabled``).
 Tuning:
 
 * :func:`decode_max_m`: up to this many rows the weight is decoded inside the
-  dot product (memory-bound decode); above it, tiles or panels of the weight are
-  dequantized and fed to a GEMM (compute-bound prefill). The boundary depends
-  on which decode kernels the build runs and on the format (``DECODE_MAX_M``).
+  dot product (the AVX-512 BF16 kernels: once per call, whatever M is); above
+  it, tiles or panels of the weight are dequantized and fed to a GEMM
+  (prefill). The boundary depends on which decode kernels the build runs, on
+  the format and on K (``DECODE_MAX_M``: measured crossovers).
 * ``PANEL_BYTES``: the fp32 panel size of the prefill path where it runs at::mm
   (the generic build, or MKLDNN switched off); the microkernel path of the
   other builds uses fixed tasks of 96 (AVX-512 BF16) or 64 weight rows and K
@@ -46,13 +47,18 @@ __all__ = [
 # The decode path's largest row count, by the decode kernels of the build
 # (the kernels' ``decode_isa()``) and the format: where the prefill path becomes
 # faster per row, measured on 1 thread (a lower limit would put a cliff in the
-# time per row). AVX-512 BF16, against the bf16 brgemm tiles of the prefill
-# path (Zen 5, 4096x4096 and 14336x4096, 2026-12-01): fp8 crosses over between
-# M = 16 and 32, fp4 between 64 and 96. Re-measure when either path changes.
-# "long_k" (K, M): above this K the AVX2 tiles' activation rows no longer sit
-# in L2 beside the weight row, and the panels win from M = 9 (K = 33024).
+# time per row); ``python -m benchmarks.ggml_side_by_side --crossover`` measures
+# it (docs/benchmarks.md). "long_k" (K, M): above this K, M at most this.
+# AVX-512 BF16 (Zen 5, 2026-12-01): the folded decode tiles decode the weight
+# once for all rows; against main's bf16 brgemm prefill tiles decode stayed
+# ahead up to M = 128 at K = 2880 and 4096 and to 96 at K = 14336, against the
+# gemm branch's vdpbf16ps prefill tiles (merged for the measurement) fp8 to
+# 96-128 and fp4 to 48-64: the limits hold for both.
+# AVX2 (against fp32 panels): the panels win from M = 9 at K = 33024, where the
+# AVX2 tiles' activation rows no longer sit in L2 beside the weight row.
+# Re-measure when either path changes.
 DECODE_MAX_M = {
-    "avx512_bf16": {"fp8": 24, "fp4": 64, "long_k": None},
+    "avx512_bf16": {"fp8": 96, "fp4": 64, "long_k": None},
     "avx2": {"fp8": 16, "fp4": 16, "long_k": (16384, 8)},
     "generic": {"fp8": 16, "fp4": 16, "long_k": None},
 }
