@@ -33,32 +33,18 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 import argparse  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.prefill_cpu import cpu_model, load_average  # noqa: E402
+from benchmarks.prefill_cpu import cpu_model, interleaved_medians, load_average  # noqa: E402
 from torch_bq import formats, ops  # noqa: E402
 from torch_bq.ops import _backend  # noqa: E402
 from torch_bq.ops.cpu import linear as fast  # noqa: E402
 
 SHAPES = [(4096, 4096), (14336, 4096)]
 CLOCKS = {"thread": time.thread_time, "wall": time.perf_counter}
-
-
-def interleaved_medians(calls: dict, reps: int, clock) -> dict:
-    """Median ``clock`` seconds per call of each entry, the entries called in turn ``reps`` times (after a warm-up)."""
-    for fn in calls.values():
-        fn()
-    times = {name: [] for name in calls}
-    for _ in range(reps):
-        for name, fn in calls.items():
-            start = clock()
-            fn()
-            times[name].append(clock() - start)
-    return {name: statistics.median(samples) for name, samples in times.items()}
 
 
 def bench_shape(n: int, k: int, rows: list, reps: int, clock) -> list:
