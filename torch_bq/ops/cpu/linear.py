@@ -41,6 +41,7 @@ from .. import linear as op_defs
 
 __all__ = [
     "DECODE_MAX_M", "NVFP4_DECODE_MAX_M", "PANEL_BYTES", "decode_max_m", "direct_fp8_linear", "direct_fp4_linear",
+    "entry_ops",
     "fp8_linear", "fp4_linear", "nvfp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8",
 ]
 
