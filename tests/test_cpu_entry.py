@@ -117,6 +117,40 @@ def test_fp4_entry_is_the_staged_path_bit_for_bit(level, case, k):
     same_bits(y, staged_fp4(kernels, x, weight, scale, bias, act_quant, peak, out_dtype, decode_max_m))
 
 
+def staged_dense(kernels, x, weight, bias, out_dtype):
+    a = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).to(torch.float32).contiguous()
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    y = kernels.dense_linear(a, weight.contiguous(), b, fast.PANEL_BYTES)
+    return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_dense_entry_is_the_staged_path_bit_for_bit(level, case, weight_dtype):
+    """bf16_linear / fp32w_linear's one-call entry (dense_linear_op; act_quant and the decode
+    boundary do not apply) against the staged dense_linear call, for every x layout, out dtype
+    and bias dtype of CASES; then refusals."""
+    shape, dtype, transposed, _, _, out_dtype, bias_dtype, _ = case
+    kernels = kernels_at(level)
+    torch.manual_seed(0)
+    weight = torch.randn(70, 96).to(weight_dtype)
+    bias = None if bias_dtype is None else torch.randn(70).to(bias_dtype)
+    x = make_x(shape, dtype, transposed)
+    y = kernels.dense_linear_op(x, weight, bias, out_dtype, fast.PANEL_BYTES)
+    assert y is not None
+    same_bits(y, staged_dense(kernels, x, weight, bias, out_dtype))
+    refused = {
+        "float64 x": kernels.dense_linear_op(x.double(), weight, bias, out_dtype, 0),
+        "wrong K": kernels.dense_linear_op(torch.randn(2, 95), weight, bias, out_dtype, 0),
+        "fp16 weight": kernels.dense_linear_op(x, weight.half(), bias, out_dtype, 0),
+        "strided weight": kernels.dense_linear_op(x, weight.t().contiguous().t(), bias, out_dtype, 0),
+        "bias shape": kernels.dense_linear_op(x, weight, torch.zeros(3), out_dtype, 0),
+        "x requires grad": kernels.dense_linear_op(x.float().requires_grad_(), weight, bias, out_dtype, 0),
+    }
+    assert all(r is None for r in refused.values()), [name for name, r in refused.items() if r is not None]
+
+
 def test_bf16_output_rounding_matches_torch_on_special_values():
     # The entry rounds fp32 -> bf16 itself: nearest even at every tie, subnormals, inf, NaN.
     kernels = _backend.cpu_kernels()

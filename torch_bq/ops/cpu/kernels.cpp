@@ -2520,14 +2520,14 @@ void store_output(const float* y, const float* bias, int64_t M, int64_t N, at::T
   }
 }
 
-// The shared body: A staged, the kernel, bias and rounding into the final [..., N] tensor.
-// The decode path touches no ATen op (each costs microseconds from a cold cache): the
-// weight and scale bytes are read through their pointers, whatever their dtype names.
-template <class Fmt>
-at::Tensor run_entry(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                     const std::optional<at::Tensor>& bias, int64_t bn, int64_t bk, bool act_quant,
-                     double act_peak, at::ScalarType out_dtype, int64_t decode_max_m, int64_t panel_bytes) {
-  const int64_t K = x.size(-1), M = x.numel() / K, N = weight.size(0);
+// The shared body: A staged, kernel(a, M, y) (y fp32 [M, N]), bias and rounding into the
+// final [..., N] tensor. The decode path touches no ATen op (each costs microseconds from a
+// cold cache): the weight and scale bytes are read through their pointers, whatever their
+// dtype names.
+template <class Kernel>
+at::Tensor staged_entry(const at::Tensor& x, int64_t N, const std::optional<at::Tensor>& bias, bool act_quant,
+                        double act_peak, at::ScalarType out_dtype, const Kernel& kernel) {
+  const int64_t K = x.size(-1), M = x.numel() / K;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   at::Tensor out = at::detail::empty_cpu(shape, out_dtype, false, std::nullopt);
@@ -2536,22 +2536,7 @@ at::Tensor run_entry(const at::Tensor& x, const at::Tensor& weight, const at::Te
   float* a = scratch(M * K, 0, a_holder);
   float* y = scratch(M * N, 1, y_holder);
   stage_activation(x, M, K, act_quant, act_peak, a);
-  const WeightView w{static_cast<const uint8_t*>(weight.const_data_ptr()), weight.size(1), scale.const_data_ptr(),
-                     scale.size(1), bn, bk, K};
-  const bool codes = scale.scalar_type() != at::kFloat;
-  if (M <= decode_max_m) {
-    if (codes)
-      decode_linear<Fmt, uint8_t>(w, a, M, N, y);
-    else
-      decode_linear<Fmt, float>(w, a, M, N, y);
-  } else {
-    const auto f32 = at::TensorOptions().dtype(at::kFloat);
-    at::Tensor a_t = at::from_blob(a, {M, K}, f32), y_t = at::from_blob(y, {M, N}, f32);
-    if (codes)
-      prefill_linear(QuantizedRows<Fmt, uint8_t>{w}, a_t, N, panel_bytes, y_t);
-    else
-      prefill_linear(QuantizedRows<Fmt, float>{w}, a_t, N, panel_bytes, y_t);
-  }
+  kernel(a, M, y);
   const float* b = nullptr;
   if (bias.has_value()) {
     b_holder = bias->scalar_type() == at::kFloat && bias->is_contiguous() ? *bias : bias->to(at::kFloat).contiguous();
@@ -2559,6 +2544,31 @@ at::Tensor run_entry(const at::Tensor& x, const at::Tensor& weight, const at::Te
   }
   store_output(y, b, M, N, out);
   return out;
+}
+
+template <class Fmt>
+at::Tensor run_entry(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                     const std::optional<at::Tensor>& bias, int64_t bn, int64_t bk, bool act_quant,
+                     double act_peak, at::ScalarType out_dtype, int64_t decode_max_m, int64_t panel_bytes) {
+  const int64_t K = x.size(-1), N = weight.size(0);
+  return staged_entry(x, N, bias, act_quant, act_peak, out_dtype, [&](float* a, int64_t M, float* y) {
+    const WeightView w{static_cast<const uint8_t*>(weight.const_data_ptr()), weight.size(1), scale.const_data_ptr(),
+                       scale.size(1), bn, bk, K};
+    const bool codes = scale.scalar_type() != at::kFloat;
+    if (M <= decode_max_m) {
+      if (codes)
+        decode_linear<Fmt, uint8_t>(w, a, M, N, y);
+      else
+        decode_linear<Fmt, float>(w, a, M, N, y);
+    } else {
+      const auto f32 = at::TensorOptions().dtype(at::kFloat);
+      at::Tensor a_t = at::from_blob(a, {M, K}, f32), y_t = at::from_blob(y, {M, N}, f32);
+      if (codes)
+        prefill_linear(QuantizedRows<Fmt, uint8_t>{w}, a_t, N, panel_bytes, y_t);
+      else
+        prefill_linear(QuantizedRows<Fmt, float>{w}, a_t, N, panel_bytes, y_t);
+    }
+  });
 }
 
 at::Tensor fp8_linear_op(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
@@ -2598,6 +2608,28 @@ at::Tensor fp4_linear_op(const at::Tensor& x, const at::Tensor& weight, const at
     return {};
   return run_entry<Fp4Format>(x, weight, scale, bias, 1, 32, act_quant, act_peak, out_dtype, decode_max_m,
                               panel_bytes);
+}
+
+// bf16_linear / fp32w_linear in one call: bf16(x), the prefill kernel on the dense weight
+// (fp32 weights narrowed to bf16 element by element), the bias in fp32 and the one rounding
+// to out_dtype. The caller has checked the arguments (which weight dtype the op takes is its
+// to say); anything unusual still returns an undefined tensor.
+at::Tensor dense_linear_op(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                           at::ScalarType out_dtype, int64_t panel_bytes) {
+  if (!(no_mode() && plain_cpu(x) && plain_cpu(weight) && act_dtype(x.scalar_type()) && act_dtype(out_dtype) &&
+        x.dim() >= 1 && weight.dim() == 2 && weight.is_contiguous() &&
+        (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat)))
+    return {};
+  const int64_t N = weight.size(0), K = weight.size(1);
+  if (!(K > 0 && x.size(-1) == K && plain_bias(bias, N))) return {};
+  return staged_entry(x, N, bias, false, 1.0, out_dtype, [&](float* a, int64_t M, float* y) {
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor a_t = at::from_blob(a, {M, K}, f32), y_t = at::from_blob(y, {M, N}, f32);
+    if (weight.scalar_type() == at::kBFloat16)
+      prefill_linear(DenseRows<at::BFloat16>{weight.const_data_ptr<at::BFloat16>(), K}, a_t, N, panel_bytes, y_t);
+    else
+      prefill_linear(DenseRows<float>{weight.const_data_ptr<float>(), K}, a_t, N, panel_bytes, y_t);
+  });
 }
 
 // The decode kernels this build runs for 32-wide e8m0 blocks: "avx512_bf16"
@@ -2691,6 +2723,8 @@ TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
       "fp4_linear_op(Tensor x, Tensor weight, Tensor scale, Tensor? bias, bool act_quant, float act_peak, "
       "ScalarType out_dtype, int decode_max_m, int panel_bytes) -> Tensor",
       &torch_bq_cpu::fp4_linear_op);
+  m.def("dense_linear_op(Tensor x, Tensor weight, Tensor? bias, ScalarType out_dtype, int panel_bytes) -> Tensor",
+        &torch_bq_cpu::dense_linear_op);
   m.def("vectorized() -> bool", &torch_bq_cpu::vectorized);
   m.def("prefill_counts() -> int[]", &torch_bq_cpu::prefill_counts);
   m.def("prefill_task_rows() -> int", &torch_bq_cpu::prefill_task_rows);
