@@ -393,17 +393,19 @@ def test_bf16_prefill_leaves_tiles_that_could_meet_a_subnormal_to_fp32():
 @pytest.mark.skipif("avx512_bf16" not in LEVELS, reason="the CPU has no AVX-512 BF16")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("block", [(1, 32), (32, 32), (128, 128)])
-def test_bf16_prefill_decodes_the_next_panel_inside_the_multiply(block, threads):
+@pytest.mark.parametrize("groups", [3, 33])  # 33: tasks of 2 (2 threads) or 4 (1 thread) row groups
+def test_bf16_prefill_decodes_the_next_panel_inside_the_multiply(block, threads, groups):
     """On the bf16 tiles the panel of K chunk i + 1 is decoded by steps inside chunk i's register
     tiles where the lean decoders cover it (whole 32-element units, e8m0 codes, fp8 codes up to 134
     and no DAZ); other chunks are decoded on their own, and a chunk whose bound says subnormal takes
-    the fp32 microkernel after its job decoded it. K = 4 chunks + 64 (a partial 128-block in the
-    last); per task, the codes choose the route of each chunk. A panel step that wrote the wrong
+    the fp32 microkernel after its job decoded it; a task of several row groups decodes each
+    group's first panel during the previous group's last chunk. K = 4 chunks + 64 (a partial
+    128-block in the last); per row group, the codes choose the route of each chunk. A panel step that wrote the wrong
     rows, elements or scale, or a chunk that skipped its decode, fails the derived bound (rows
     8..15 hold only e4m3 subnormals in chunk 1)."""
     level = "avx512_bf16"
     rows = _backend.cpu_kernels(level).prefill_task_rows()
-    n, k = 2 * rows + 5, 4 * 1024 + 64
+    n, k = (groups - 1) * rows + 5, 4 * 1024 + 64
     bn, bk = block
     torch.manual_seed(bn + bk + threads)
     data, codes = formats.quantize_fp8(torch.randn(n, k), block, torch.uint8)
@@ -415,9 +417,10 @@ def test_bf16_prefill_decodes_the_next_panel_inside_the_multiply(block, threads)
     big, small = (rows + 4) // bn, (2 * rows + 1) // bn  # scale rows in the second and third task
     codes[big, chunk(2)] = 140  # fp8: above the lean decoders' codes, decoded on its own
     codes[small, chunk(1)] = 5  # weights of 2**-131 and below: the fp32 microkernel
+    codes[-1, chunk(0)] = 140  # the last group's first panel (decoded by a job when it is not a task's first)
     row_small = torch.zeros(n, dtype=torch.bool)
     row_small[small * bn : (small + 1) * bn] = True
-    fp32_tasks = sum(bool(row_small[t * rows : (t + 1) * rows].any()) for t in range(3))
+    fp32_groups = sum(bool(row_small[g * rows : (g + 1) * rows].any()) for g in range(groups))
     x = torch.randn(2 * 64 + 3, k)  # past every DECODE_MAX_M; a 3-row last A block
     w = formats.dequantize_fp8(data, codes, block, torch.float32)
     bias = torch.randn(n)
@@ -430,7 +433,7 @@ def test_bf16_prefill_decodes_the_next_panel_inside_the_multiply(block, threads)
     finally:
         torch.set_num_threads(previous_threads)
     assert_linear_close(y, operand(x, True), w, bias)
-    assert counts == [3 - fp32_tasks, fp32_tasks]
+    assert counts == [groups - fp32_groups, fp32_groups]
     if block == (1, 32):  # MXFP4 through the same steps; codes of 5 stay normal there (e2m1 lowest bit 2**-1)
         p, s4 = formats.quantize_fp4(torch.randn(n, k))
         s4 = s4.view(torch.uint8).clone()

@@ -2053,95 +2053,110 @@ inline void store_transposed(const float* c, int64_t rows, int64_t M, float* out
     for (int64_t r = r0; r < rows; ++r) out[m * ldo + r] = c[r * M + m];
 }
 
-// out[:, n0:n0+rows] for one task. With bf16_ok (A allows it), each K chunk
-// whose weights allow it too runs the bf16 microkernel, the others the fp32
-// one; both accumulate into the same fp32 C^T. On the bf16 path the panel of
-// chunk i + 1 is decoded while chunk i is multiplied (a PanelJob's steps
-// inside the register tiles, where the Rows type has one for the chunk), into
-// the other of two panel buffers; the first chunk of a task, and chunks whose
-// job does not apply, are decoded on their own.
+// out[:, n_begin:n_end] for one task: groups of `group` weight rows one after
+// the other, each over all of K. With bf16_ok (A allows it), each K chunk of a
+// group whose weights allow it too runs the bf16 microkernel, the others the
+// fp32 one; both accumulate into the group's fp32 C^T. On the bf16 path the
+// panel that comes next (the group's next chunk, or the next group's first)
+// is decoded while this one is multiplied (a PanelJob's steps inside the
+// register tiles, where the Rows type has one for that chunk), into the other
+// of two panel buffers; the task's first panel, and panels whose job does not
+// apply, are decoded on their own.
 template <class Rows>
-void gemm_tile(const Rows& wr, GemmOperands& ops, int64_t n0, int64_t rows, bool bf16_ok, float* out, int64_t N) {
+void gemm_task(const Rows& wr, GemmOperands& ops, int64_t n_begin, int64_t n_end, int64_t group, bool bf16_ok,
+               float* out, int64_t N) {
   const int64_t M = ops.M, K = ops.K;
   const int64_t kc = chunk_elems(wr.chunk_align());
   TileBuffers& buf = tile_buffers();
-  buf.c.resize(rows * M);
+  buf.c.resize(std::min(group, n_end - n_begin) * M);
   float* c = buf.c.data();
-  bool all_bf16 = bf16_ok;
 #if defined(TORCH_BQ_AVX512_BF16)
-  bool decoded = false;  // the panel of this chunk was decoded by the previous chunk's job
+  bool decoded = false;  // this panel was decoded by the previous panel's job
   LowBits decoded_bits{0, true};
-  int64_t chunk = 0;
-#endif
-  for (int64_t k0 = 0; k0 < K; k0 += kc) {
-    const int64_t k1 = std::min(K, k0 + kc), width = k1 - k0;
-    bool chunk_bf16 = false;
-#if defined(TORCH_BQ_AVX512_BF16)
-    if (bf16_ok) {
-      const int64_t padded = width + (width & 1);  // pairs with A^T's zero row
-      buf.panel16.resize(2 * rows * kc);           // kc is even: padded <= kc
-      buf.scratch.resize(width);
-      uint16_t* p = buf.panel16.data() + (chunk & 1) * rows * kc;
-      LowBits bits{std::numeric_limits<int>::max(), false};
-      if (decoded) {
-        bits = decoded_bits;
-      } else {
-        for (int64_t r = 0; r < rows; ++r) {
-          const LowBits row_bits = wr.bf16(n0 + r, k0, k1, p + r * padded, buf.scratch.data());
-          bits = {std::min(bits.low_bit, row_bits.low_bit), bits.subnormal || row_bits.subnormal};
-        }
-      }
-      if (padded != width)
-        for (int64_t r = 0; r < rows; ++r) p[r * padded + width] = 0;
-      decoded = false;
-      chunk_bf16 = !bits.subnormal && ops.a_bits.low_bit + bits.low_bit >= -126;
-      if (chunk_bf16) {
-        const int64_t nk1 = std::min(K, k1 + kc), npadded = (nk1 - k1) + ((nk1 - k1) & 1);
-        uint16_t* np = buf.panel16.data() + ((chunk + 1) & 1) * rows * kc;
-        const uint32_t* apack = reinterpret_cast<const uint32_t*>(ops.apack.data_ptr<int32_t>());
-        // Prefetched meanwhile: the next panel to be decoded on its own or by a job
-        // (after the one this chunk's job decodes), or the first chunk of the next rows.
-        auto prefetch_from = [&](int64_t from) {
-          PrefetchPlan next;
-          if constexpr (has_bytes_of<Rows>::value) {
-            if (from < K)
-              next = wr.bytes_of(n0, rows, from, std::min(K, from + kc));
-            else if (n0 + rows < N)
-              next = wr.bytes_of(n0 + rows, std::min(rows, N - n0 - rows), 0, std::min(K, kc));
-          }
-          return next;
-        };
-        bool fused = false;
-        if constexpr (has_panel_job<Rows>::value) {
-          typename Rows::PanelJob job;
-          if (k1 < K && wr.panel_job(n0, rows, k1, nk1, np, npadded, job)) {
-            dot_chunk(p, rows, apack, ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0, prefetch_from(nk1), &job,
-                      job.steps());
-            decoded_bits = job.bits();
-            fused = decoded = true;
-          }
-        }
-        if (!fused)
-          dot_chunk<NoJob>(p, rows, apack, ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0, prefetch_from(k1), nullptr,
-                           0);
-      }
-      ++chunk;
-    }
-#endif
-    if (!chunk_bf16) {
-      buf.panel32.resize(rows * width);
-      const float* bt = ops.at32();
-      float* p = buf.panel32.data();
-      for (int64_t r = 0; r < rows; ++r) wr.fp32(n0 + r, k0, k1, p + r * width);
-      for (int64_t m0 = 0; m0 < M; m0 += kTileCols) {
-        const int64_t cols = std::min(kTileCols, M - m0);
-        at::native::cpublas::brgemm(rows, cols, width, width, M, M, k0 > 0, p, bt + k0 * M + m0, c + m0, false);
-      }
-      all_bf16 = false;
-    }
+  int64_t panels = 0;
+  if (bf16_ok) {
+    buf.panel16.resize(2 * std::min(group, n_end - n_begin) * kc);  // kc is even: padded widths <= kc
+    buf.scratch.resize(kc);
   }
-  store_transposed(c, rows, M, out + n0, N);
-  prefill_tiles[all_bf16 ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
+#endif
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += group) {
+    const int64_t rows = std::min(group, n_end - n0);
+    bool all_bf16 = bf16_ok;
+    for (int64_t k0 = 0; k0 < K; k0 += kc) {
+      const int64_t k1 = std::min(K, k0 + kc), width = k1 - k0;
+      bool chunk_bf16 = false;
+#if defined(TORCH_BQ_AVX512_BF16)
+      if (bf16_ok) {
+        const int64_t padded = width + (width & 1);  // pairs with A^T's zero row
+        const int64_t half = std::min(group, n_end - n_begin) * kc;
+        uint16_t* p = buf.panel16.data() + (panels & 1) * half;
+        LowBits bits{std::numeric_limits<int>::max(), false};
+        if (decoded) {
+          bits = decoded_bits;
+        } else {
+          for (int64_t r = 0; r < rows; ++r) {
+            const LowBits row_bits = wr.bf16(n0 + r, k0, k1, p + r * padded, buf.scratch.data());
+            bits = {std::min(bits.low_bit, row_bits.low_bit), bits.subnormal || row_bits.subnormal};
+          }
+        }
+        if (padded != width)
+          for (int64_t r = 0; r < rows; ++r) p[r * padded + width] = 0;
+        decoded = false;
+        chunk_bf16 = !bits.subnormal && ops.a_bits.low_bit + bits.low_bit >= -126;
+        if (chunk_bf16) {
+          // The panel after this one: the next chunk of these rows, else the next rows' first
+          // (past the task: the rows after it, only to prefetch), and the one after that.
+          struct Panel {
+            int64_t n0, rows, k0, k1;
+          };
+          auto after = [&](const Panel& q) {
+            if (q.k1 < K) return Panel{q.n0, q.rows, q.k1, std::min(K, q.k1 + kc)};
+            const int64_t next = q.n0 + q.rows;
+            return Panel{next, std::min(group, N - next), 0, std::min(K, kc)};
+          };
+          auto prefetch = [&](const Panel& q) {
+            PrefetchPlan plan;
+            if constexpr (has_bytes_of<Rows>::value) {
+              if (q.rows > 0) plan = wr.bytes_of(q.n0, q.rows, q.k0, q.k1);
+            }
+            return plan;
+          };
+          const Panel next = after(Panel{n0, rows, k0, k1});
+          const uint32_t* apack = reinterpret_cast<const uint32_t*>(ops.apack.data_ptr<int32_t>());
+          bool fused = false;
+          if constexpr (has_panel_job<Rows>::value) {
+            typename Rows::PanelJob job;
+            const int64_t npadded = (next.k1 - next.k0) + ((next.k1 - next.k0) & 1);
+            uint16_t* np = buf.panel16.data() + ((panels + 1) & 1) * half;
+            if (next.n0 < n_end && wr.panel_job(next.n0, next.rows, next.k0, next.k1, np, npadded, job)) {
+              dot_chunk(p, rows, apack, ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0, prefetch(after(next)), &job,
+                        job.steps());
+              decoded_bits = job.bits();
+              fused = decoded = true;
+            }
+          }
+          if (!fused)
+            dot_chunk<NoJob>(p, rows, apack, ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0, prefetch(next), nullptr,
+                             0);
+        }
+        ++panels;
+      }
+#endif
+      if (!chunk_bf16) {
+        buf.panel32.resize(rows * width);
+        const float* bt = ops.at32();
+        float* p = buf.panel32.data();
+        for (int64_t r = 0; r < rows; ++r) wr.fp32(n0 + r, k0, k1, p + r * width);
+        for (int64_t m0 = 0; m0 < M; m0 += kTileCols) {
+          const int64_t cols = std::min(kTileCols, M - m0);
+          at::native::cpublas::brgemm(rows, cols, width, width, M, M, k0 > 0, p, bt + k0 * M + m0, c + m0, false);
+        }
+        all_bf16 = false;
+      }
+    }
+    store_transposed(c, rows, M, out + n0, N);
+    prefill_tiles[all_bf16 ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
+  }
 }
 
 // at::mm on fp32 panels: CPUs without AVX2 (generic build) or with MKLDNN switched off.
@@ -2184,11 +2199,16 @@ void prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t pane
 #else
     constexpr int64_t task_rows = kTileRows;
 #endif
-    const int64_t tasks = (N + task_rows - 1) / task_rows;
+    // Consecutive groups of task_rows per task, so that a group's first panel is decoded
+    // during the previous group's last chunk; at least 8 tasks per thread (a late thread
+    // costs one task), at most 4 groups each.
+    const int64_t groups = (N + task_rows - 1) / task_rows;
+    const int64_t per_task = std::clamp<int64_t>(groups / (8 * std::max(1, at::get_num_threads())), 1, 4);
+    const int64_t tasks = (groups + per_task - 1) / per_task;
     float* o = out.data_ptr<float>();
     run_tasks(tasks, [&](int64_t t) {
-      const int64_t n0 = t * task_rows, rows = std::min(task_rows, N - n0);
-      gemm_tile(wr, ops, n0, rows, bf16, o, N);
+      const int64_t n0 = t * per_task * task_rows, n1 = std::min(N, n0 + per_task * task_rows);
+      gemm_task(wr, ops, n0, n1, task_rows, bf16, o, N);
     });
     return;
   }
