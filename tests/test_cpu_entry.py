@@ -151,7 +151,8 @@ def test_dense_entry_is_the_staged_path_bit_for_bit(level, case, weight_dtype):
     assert all(r is None for r in refused.values()), [name for name, r in refused.items() if r is not None]
 
 
-def test_bf16_output_rounding_matches_torch_on_special_values():
+@pytest.mark.parametrize("decode_max_m", [64, 0])  # 0: the prefill tasks round into the output themselves
+def test_bf16_output_rounding_matches_torch_on_special_values(decode_max_m):
     # The entry rounds fp32 -> bf16 itself: nearest even at every tie, subnormals, inf, NaN.
     kernels = _backend.cpu_kernels()
     weight = torch.ones(1, 32, dtype=torch.float8_e4m3fn)
@@ -162,16 +163,24 @@ def test_bf16_output_rounding_matches_torch_on_special_values():
         x = torch.zeros(1, 32)
         x[0, 0] = v
         scale = torch.ones(1, 1)
-        y = kernels.fp8_linear_op(x, weight, scale, None, [1, 32], False, 224.0, torch.float32, 64, fast.PANEL_BYTES)
-        y16 = kernels.fp8_linear_op(x, weight, scale, None, [1, 32], False, 224.0, torch.bfloat16, 64,
+        y = kernels.fp8_linear_op(x, weight, scale, None, [1, 32], False, 224.0, torch.float32, decode_max_m,
+                                  fast.PANEL_BYTES)
+        y16 = kernels.fp8_linear_op(x, weight, scale, None, [1, 32], False, 224.0, torch.bfloat16, decode_max_m,
                                     fast.PANEL_BYTES)
         same_bits(y16, y.to(torch.bfloat16))
     # fp32 outputs (from fp32 bias) that sit exactly on bf16 ties, many lanes at once (the vector path).
     bias = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 2.0**-130, float("nan"), -(1 + 2**-8), 3e38, 1e-45, 5.0] * 3)
     w = torch.zeros(24, 32, dtype=torch.float8_e4m3fn)
     y = kernels.fp8_linear_op(torch.zeros(1, 32), w, torch.ones(24, 1), bias, [1, 32], False, 224.0,
-                              torch.bfloat16, 64, fast.PANEL_BYTES)
+                              torch.bfloat16, decode_max_m, fast.PANEL_BYTES)
     same_bits(y, (torch.zeros(1, 24) + bias).to(torch.bfloat16))
+    codes = torch.full((24, 1), 127, dtype=torch.uint8)  # e8m0 scales: the bf16 tiles where the CPU has them
+    y = kernels.fp8_linear_op(torch.zeros(3, 32), w, codes, bias, [1, 32], False, 224.0, torch.bfloat16,
+                              decode_max_m, fast.PANEL_BYTES)
+    same_bits(y, (torch.zeros(3, 24) + bias).to(torch.bfloat16))
+    y = kernels.fp8_linear_op(torch.zeros(3, 32), w, codes, bias, [1, 32], False, 224.0, torch.float16,
+                              decode_max_m, fast.PANEL_BYTES)
+    same_bits(y, (torch.zeros(3, 24) + bias).to(torch.float16))
 
 
 class Recorder(TorchDispatchMode):

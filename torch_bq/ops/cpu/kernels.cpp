@@ -2034,8 +2034,49 @@ struct has_panel_job : std::false_type {};
 template <class R>
 struct has_panel_job<R, std::void_t<typename R::PanelJob>> : std::true_type {};
 
-// out[m, r] = c[r, m] for r < rows, m < M (out's rows ldo apart).
-inline void store_transposed(const float* c, int64_t rows, int64_t M, float* out, int64_t ldo) {
+// The op's own output [M, N] (out_dtype), for kernels that write it directly: the
+// fp32 result plus the fp32 bias, rounded once (as store_output below).
+struct FinalOutput {
+  void* data = nullptr;
+  at::ScalarType dtype = at::kFloat;
+  const float* bias = nullptr;  // [N] or null
+  int64_t N = 0;
+
+  void put(int64_t m, int64_t n, float v) const {
+    if (bias != nullptr) v += bias[n];
+    if (dtype == at::kBFloat16)
+      static_cast<uint16_t*>(data)[m * N + n] = bf16_rne(v);
+    else if (dtype == at::kHalf)
+      static_cast<at::Half*>(data)[m * N + n] = at::Half(v);
+    else
+      static_cast<float*>(data)[m * N + n] = v;
+  }
+#if defined(TORCH_BQ_AVX512)
+  // Columns [n, n + 16) of row m.
+  void put16(int64_t m, int64_t n, __m512 v) const {
+    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+    if (dtype == at::kBFloat16) {
+      // torch's rounding: nearest even on the bits, NaN -> 0x7FC0 (vcvtneps2bf16 would flush subnormals).
+      const __m512i b = _mm512_castps_si512(v);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+      __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+      r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(data) + m * N + n), _mm512_cvtepi32_epi16(r));
+    } else if (dtype == at::kFloat) {
+      _mm512_storeu_ps(static_cast<float*>(data) + m * N + n, v);
+    } else {
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, v);
+      for (int i = 0; i < 16; ++i) static_cast<at::Half*>(data)[m * N + n + i] = at::Half(lanes[i]);
+    }
+  }
+#endif
+};
+
+// out[m, n0 + r] = c[r, m] for r < rows, m < M (out fp32, rows ldo apart), or into
+// `final` (not null) with its bias and rounding.
+inline void store_transposed(const float* c, int64_t rows, int64_t M, float* out, int64_t ldo, int64_t n0,
+                             const FinalOutput* final) {
   int64_t r0 = 0;
 #if defined(TORCH_BQ_AVX512)
   for (; r0 + 16 <= rows; r0 += 16) {
@@ -2045,12 +2086,22 @@ inline void store_transposed(const float* c, int64_t rows, int64_t M, float* out
       __m512i v[16];
       for (int i = 0; i < 16; ++i) v[i] = _mm512_maskz_loadu_epi32(valid, c + (r0 + i) * M + m0);
       transpose16(v);
-      for (int64_t j = 0; j < cols; ++j) _mm512_storeu_si512(out + (m0 + j) * ldo + r0, v[j]);
+      if (final != nullptr) {
+        for (int64_t j = 0; j < cols; ++j) final->put16(m0 + j, n0 + r0, _mm512_castsi512_ps(v[j]));
+      } else {
+        for (int64_t j = 0; j < cols; ++j) _mm512_storeu_si512(out + (m0 + j) * ldo + n0 + r0, v[j]);
+      }
     }
   }
 #endif
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t r = r0; r < rows; ++r) out[m * ldo + r] = c[r * M + m];
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t r = r0; r < rows; ++r) {
+      if (final != nullptr)
+        final->put(m, n0 + r, c[r * M + m]);
+      else
+        out[m * ldo + n0 + r] = c[r * M + m];
+    }
+  }
 }
 
 // out[:, n_begin:n_end] for one task: groups of `group` weight rows one after
@@ -2064,7 +2115,7 @@ inline void store_transposed(const float* c, int64_t rows, int64_t M, float* out
 // apply, are decoded on their own.
 template <class Rows>
 void gemm_task(const Rows& wr, GemmOperands& ops, int64_t n_begin, int64_t n_end, int64_t group, bool bf16_ok,
-               float* out, int64_t N) {
+               float* out, int64_t N, const FinalOutput* final) {
   const int64_t M = ops.M, K = ops.K;
   const int64_t kc = chunk_elems(wr.chunk_align());
   TileBuffers& buf = tile_buffers();
@@ -2154,7 +2205,7 @@ void gemm_task(const Rows& wr, GemmOperands& ops, int64_t n_begin, int64_t n_end
         all_bf16 = false;
       }
     }
-    store_transposed(c, rows, M, out + n0, N);
+    store_transposed(c, rows, M, out, N, n0, final);
     prefill_tiles[all_bf16 ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
   }
 }
@@ -2176,9 +2227,15 @@ void panel_mm(const Rows& wr, const at::Tensor& A, int64_t N, int64_t panel_byte
   }
 }
 
-// out [M, N] fp32 = A [M, K] (fp32, bf16-exact values) x W^T.
+// out [M, N] fp32 = A [M, K] (fp32, bf16-exact values) x W^T; or, where `final` is given
+// and the microkernel tasks run, final = round(A x W^T + bias) directly (then `out` is
+// not written). Returns whether `final` was written.
 template <class Rows>
-void prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t panel_bytes, at::Tensor& out) {
+bool prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t panel_bytes, at::Tensor& out,
+                    const FinalOutput* final = nullptr) {
+#if !defined(TORCH_BQ_AVX512)
+  final = nullptr;  // the transposing store is scalar here: fp32 out, then store_output's vector rounding
+#endif
 #if defined(TORCH_BQ_AVX2)
   if (brgemm_enabled()) {
     GemmOperands ops;
@@ -2205,15 +2262,16 @@ void prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t pane
     const int64_t groups = (N + task_rows - 1) / task_rows;
     const int64_t per_task = std::clamp<int64_t>(groups / (8 * std::max(1, at::get_num_threads())), 1, 4);
     const int64_t tasks = (groups + per_task - 1) / per_task;
-    float* o = out.data_ptr<float>();
+    float* o = final != nullptr ? nullptr : out.data_ptr<float>();
     run_tasks(tasks, [&](int64_t t) {
       const int64_t n0 = t * per_task * task_rows, n1 = std::min(N, n0 + per_task * task_rows);
-      gemm_task(wr, ops, n0, n1, task_rows, bf16, o, N);
+      gemm_task(wr, ops, n0, n1, task_rows, bf16, o, N, final);
     });
-    return;
+    return final != nullptr;
   }
 #endif
   panel_mm(wr, A, N, panel_bytes, out);
+  return false;
 }
 
 // --------------------------------------------------------------------------
@@ -2556,13 +2614,13 @@ at::Tensor staged_entry(const at::Tensor& x, int64_t N, const std::optional<at::
   float* a = scratch(M * K, 0, a_holder);
   float* y = scratch(M * N, 1, y_holder);
   stage_activation(x, M, K, act_quant, act_peak, a);
-  kernel(a, M, y);
   const float* b = nullptr;
   if (bias.has_value()) {
     b_holder = bias->scalar_type() == at::kFloat && bias->is_contiguous() ? *bias : bias->to(at::kFloat).contiguous();
     b = b_holder.const_data_ptr<float>();
   }
-  store_output(y, b, M, N, out);
+  const FinalOutput final{out.data_ptr(), out_dtype, b, N};
+  if (!kernel(a, M, y, final)) store_output(y, b, M, N, out);  // the kernel wrote y, not out
   return out;
 }
 
@@ -2571,7 +2629,8 @@ at::Tensor run_entry(const at::Tensor& x, const at::Tensor& weight, const at::Te
                      const std::optional<at::Tensor>& bias, int64_t bn, int64_t bk, bool act_quant,
                      double act_peak, at::ScalarType out_dtype, int64_t decode_max_m, int64_t panel_bytes) {
   const int64_t K = x.size(-1), N = weight.size(0);
-  return staged_entry(x, N, bias, act_quant, act_peak, out_dtype, [&](float* a, int64_t M, float* y) {
+  return staged_entry(x, N, bias, act_quant, act_peak, out_dtype,
+                      [&](float* a, int64_t M, float* y, const FinalOutput& final) {
     const WeightView w{static_cast<const uint8_t*>(weight.const_data_ptr()), weight.size(1), scale.const_data_ptr(),
                        scale.size(1), bn, bk, K};
     const bool codes = scale.scalar_type() != at::kFloat;
@@ -2580,14 +2639,12 @@ at::Tensor run_entry(const at::Tensor& x, const at::Tensor& weight, const at::Te
         decode_linear<Fmt, uint8_t>(w, a, M, N, y);
       else
         decode_linear<Fmt, float>(w, a, M, N, y);
-    } else {
-      const auto f32 = at::TensorOptions().dtype(at::kFloat);
-      at::Tensor a_t = at::from_blob(a, {M, K}, f32), y_t = at::from_blob(y, {M, N}, f32);
-      if (codes)
-        prefill_linear(QuantizedRows<Fmt, uint8_t>{w}, a_t, N, panel_bytes, y_t);
-      else
-        prefill_linear(QuantizedRows<Fmt, float>{w}, a_t, N, panel_bytes, y_t);
+      return false;
     }
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor a_t = at::from_blob(a, {M, K}, f32), y_t = at::from_blob(y, {M, N}, f32);
+    if (codes) return prefill_linear(QuantizedRows<Fmt, uint8_t>{w}, a_t, N, panel_bytes, y_t, &final);
+    return prefill_linear(QuantizedRows<Fmt, float>{w}, a_t, N, panel_bytes, y_t, &final);
   });
 }
 
@@ -2642,13 +2699,13 @@ at::Tensor dense_linear_op(const at::Tensor& x, const at::Tensor& weight, const 
     return {};
   const int64_t N = weight.size(0), K = weight.size(1);
   if (!(K > 0 && x.size(-1) == K && plain_bias(bias, N))) return {};
-  return staged_entry(x, N, bias, false, 1.0, out_dtype, [&](float* a, int64_t M, float* y) {
+  return staged_entry(x, N, bias, false, 1.0, out_dtype, [&](float* a, int64_t M, float* y, const FinalOutput& final) {
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     at::Tensor a_t = at::from_blob(a, {M, K}, f32), y_t = at::from_blob(y, {M, N}, f32);
     if (weight.scalar_type() == at::kBFloat16)
-      prefill_linear(DenseRows<at::BFloat16>{weight.const_data_ptr<at::BFloat16>(), K}, a_t, N, panel_bytes, y_t);
-    else
-      prefill_linear(DenseRows<float>{weight.const_data_ptr<float>(), K}, a_t, N, panel_bytes, y_t);
+      return prefill_linear(DenseRows<at::BFloat16>{weight.const_data_ptr<at::BFloat16>(), K}, a_t, N, panel_bytes,
+                            y_t, &final);
+    return prefill_linear(DenseRows<float>{weight.const_data_ptr<float>(), K}, a_t, N, panel_bytes, y_t, &final);
   });
 }
 
