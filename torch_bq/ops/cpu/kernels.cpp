@@ -1308,13 +1308,15 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 // prefill path: dequantize tiles of W, then a GEMM microkernel per tile
 // --------------------------------------------------------------------------
 //
-// Every task owns Nt rows of W (output columns n0 .. n0 + Nt; Nt = kDotTaskRows
-// with AVX512_BF16, else kTileRows) and computes them for all M rows of A,
-// K chunk by K chunk:
-//   for k-chunk (kc elements, whole scale blocks; kc does not depend on K):
+// Every task owns up to 4 consecutive row groups of Nt rows of W (output
+// columns n0 .. n0 + Nt; Nt = kDotTaskRows with AVX512_BF16, else kTileRows)
+// and computes each for all M rows of A, K chunk by K chunk:
+//   for each group, for k-chunk (kc elements, whole scale blocks; kc does not depend on K):
 //     panel[Nt, kc] = dequantize(W[n0:n0+Nt, k-chunk])        (L2-resident)
 //     C^T[Nt, M] (+)= panel x A^T[k-chunk, :]                 (fp32 accumulators)
-//   out[:, n0:n0+Nt] = (C^T)^T
+//   out[:, n0:n0+Nt] = (C^T)^T       (or round((C^T)^T + bias) into the op's output)
+// With AVX512_BF16 the next panel of the task (next chunk, or the next group's
+// first) is decoded during the current chunk's multiply (PanelJob, dot_tile).
 // The GEMM of a chunk is single-threaded inside each task: the tasks are the
 // only parallelism, so no GEMM-internal barrier waits for a descheduled
 // thread. Accumulation is fp32 over the whole of K (C^T is fp32 and

@@ -24,8 +24,8 @@ Tuning:
   the format and on K (``DECODE_MAX_M``: measured crossovers).
 * ``PANEL_BYTES``: the fp32 panel size of the prefill path where it runs at::mm
   (the generic build, or MKLDNN switched off); the microkernel path of the
-  other builds uses fixed tasks of 96 (AVX-512 BF16) or 64 weight rows and K
-  chunks of 1024 (see kernels.cpp's prefill section).
+  other builds uses fixed row groups of 96 (AVX-512 BF16) or 64 weight rows and
+  K chunks of 1024 (see kernels.cpp's prefill section).
 """
 
 from __future__ import annotations
