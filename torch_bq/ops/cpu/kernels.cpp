@@ -1618,7 +1618,7 @@ constexpr DotTile<Job> dot_tile_for(int mv) {
                    : &dot_tile<NR, 4, Job>;
 }
 
-// Partial register tiles (the last rows of the last task) never carry job steps.
+// Partial register tiles (the last rows of the last row group) never carry job steps.
 inline DotTile<NoJob> partial_dot_tile(int nr, int mv) {
   switch (nr) {
     case 1: return dot_tile_for<1, NoJob>(mv);
