@@ -1321,8 +1321,9 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 // only parallelism, so no GEMM-internal barrier waits for a descheduled
 // thread. Accumulation is fp32 over the whole of K (C^T is fp32 and
 // accumulates across chunks), so there is one final rounding only, in the
-// caller. Extra memory per task: the panel and an [Nt, M] fp32 tile,
-// independent of N and of K; per call, the packed bf16 copy of A.
+// caller. Extra memory per thread: two bf16 panels (AVX512_BF16; one fp32
+// panel otherwise) and an [Nt, M] fp32 tile, independent of N and of K; per
+// call, the packed bf16 copy of A.
 //
 // Element types of the microkernel:
 // * bf16 x bf16 -> fp32 (builds with AVX512_BF16): torch_bq's own vdpbf16ps
