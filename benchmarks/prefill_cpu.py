@@ -74,7 +74,7 @@ def interleaved_medians(calls: dict, reps: int, clock=time.perf_counter) -> dict
     return {name: statistics.median(samples) for name, samples in times.items()}
 
 
-def bench_shape(n: int, k: int, rows: list, reps: int) -> list:
+def bench_shape(n: int, k: int, rows: list, reps: int, clock=time.perf_counter) -> list:
     torch.manual_seed(0)
     w = torch.randn(n, k, dtype=torch.bfloat16)
     d8, s8 = formats.quantize_fp8(w)
@@ -96,6 +96,7 @@ def bench_shape(n: int, k: int, rows: list, reps: int) -> list:
                 "F.fp32": lambda: F.linear(x32, w_fp32),
             },
             reps,
+            clock,
         )
         results.append({"n": n, "k": k, "m": m, "load": f"{before} -> {load_average()}", **t})
         print(f"  {n}x{k} M={m}: " + ", ".join(f"{key} {v * 1e3:.1f}" for key, v in t.items())
@@ -123,6 +124,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="interleaved rounds; medians are reported")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N shapes only")
     parser.add_argument("--shape", type=int, nargs=2, metavar=("N", "K"), help="this shape only")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time each call by the process's CPU time, not wall time (with --threads 1: "
+                             "robust to other jobs time-slicing the core, not to their cache traffic)")
     parser.add_argument("--busy", type=int, default=0,
                         help="start this many busy-looping processes for the run (cores shared with others)")
     args = parser.parse_args()
@@ -142,10 +146,11 @@ def run(args) -> None:
           f"{info.get('kernels')} at {info.get('isa')} ({info.get('source')}); torch {torch.__version__} "
           f"(capability {torch.backends.cpu.get_cpu_capability()}); {torch.get_num_threads()} threads, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; {args.busy} busy processes started; "
+          f"{'CPU' if args.cpu_time else 'wall'} time; "
           f"load average {load_average()}")
     results = []
     for n, k in [tuple(args.shape)] if args.shape else SHAPES[: args.shapes]:
-        results += bench_shape(n, k, args.rows, args.reps)
+        results += bench_shape(n, k, args.rows, args.reps, time.process_time if args.cpu_time else time.perf_counter)
     print()
     print(table(results))
 

@@ -117,7 +117,42 @@ def test_fp4_entry_is_the_staged_path_bit_for_bit(level, case, k):
     same_bits(y, staged_fp4(kernels, x, weight, scale, bias, act_quant, peak, out_dtype, decode_max_m))
 
 
-def test_bf16_output_rounding_matches_torch_on_special_values():
+def staged_dense(kernels, x, weight, bias, out_dtype):
+    a = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).to(torch.float32).contiguous()
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    y = kernels.dense_linear(a, weight.contiguous(), b, fast.PANEL_BYTES)
+    return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_dense_entry_is_the_staged_path_bit_for_bit(level, case, weight_dtype):
+    """bf16_linear / fp32w_linear's one-call entry (dense_linear_op; act_quant and the decode
+    boundary do not apply) against the staged dense_linear call, for every x layout, out dtype
+    and bias dtype of CASES; then refusals."""
+    shape, dtype, transposed, _, _, out_dtype, bias_dtype, _ = case
+    kernels = kernels_at(level)
+    torch.manual_seed(0)
+    weight = torch.randn(70, 96).to(weight_dtype)
+    bias = None if bias_dtype is None else torch.randn(70).to(bias_dtype)
+    x = make_x(shape, dtype, transposed)
+    y = kernels.dense_linear_op(x, weight, bias, out_dtype, fast.PANEL_BYTES)
+    assert y is not None
+    same_bits(y, staged_dense(kernels, x, weight, bias, out_dtype))
+    refused = {
+        "float64 x": kernels.dense_linear_op(x.double(), weight, bias, out_dtype, 0),
+        "wrong K": kernels.dense_linear_op(torch.randn(2, 95), weight, bias, out_dtype, 0),
+        "fp16 weight": kernels.dense_linear_op(x, weight.half(), bias, out_dtype, 0),
+        "strided weight": kernels.dense_linear_op(x, weight.t().contiguous().t(), bias, out_dtype, 0),
+        "bias shape": kernels.dense_linear_op(x, weight, torch.zeros(3), out_dtype, 0),
+        "x requires grad": kernels.dense_linear_op(x.float().requires_grad_(), weight, bias, out_dtype, 0),
+    }
+    assert all(r is None for r in refused.values()), [name for name, r in refused.items() if r is not None]
+
+
+@pytest.mark.parametrize("decode_max_m", [64, 0])  # 0: the prefill tasks round into the output themselves
+def test_bf16_output_rounding_matches_torch_on_special_values(decode_max_m):
     # The entry rounds fp32 -> bf16 itself: nearest even at every tie, subnormals, inf, NaN.
     kernels = _backend.cpu_kernels()
     weight = torch.ones(1, 32, dtype=torch.float8_e4m3fn)
@@ -128,16 +163,24 @@ def test_bf16_output_rounding_matches_torch_on_special_values():
         x = torch.zeros(1, 32)
         x[0, 0] = v
         scale = torch.ones(1, 1)
-        y = kernels.fp8_linear_op(x, weight, scale, None, [1, 32], False, 224.0, torch.float32, 64, fast.PANEL_BYTES)
-        y16 = kernels.fp8_linear_op(x, weight, scale, None, [1, 32], False, 224.0, torch.bfloat16, 64,
+        y = kernels.fp8_linear_op(x, weight, scale, None, [1, 32], False, 224.0, torch.float32, decode_max_m,
+                                  fast.PANEL_BYTES)
+        y16 = kernels.fp8_linear_op(x, weight, scale, None, [1, 32], False, 224.0, torch.bfloat16, decode_max_m,
                                     fast.PANEL_BYTES)
         same_bits(y16, y.to(torch.bfloat16))
     # fp32 outputs (from fp32 bias) that sit exactly on bf16 ties, many lanes at once (the vector path).
     bias = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 2.0**-130, float("nan"), -(1 + 2**-8), 3e38, 1e-45, 5.0] * 3)
     w = torch.zeros(24, 32, dtype=torch.float8_e4m3fn)
     y = kernels.fp8_linear_op(torch.zeros(1, 32), w, torch.ones(24, 1), bias, [1, 32], False, 224.0,
-                              torch.bfloat16, 64, fast.PANEL_BYTES)
+                              torch.bfloat16, decode_max_m, fast.PANEL_BYTES)
     same_bits(y, (torch.zeros(1, 24) + bias).to(torch.bfloat16))
+    codes = torch.full((24, 1), 127, dtype=torch.uint8)  # e8m0 scales: the bf16 tiles where the CPU has them
+    y = kernels.fp8_linear_op(torch.zeros(3, 32), w, codes, bias, [1, 32], False, 224.0, torch.bfloat16,
+                              decode_max_m, fast.PANEL_BYTES)
+    same_bits(y, (torch.zeros(3, 24) + bias).to(torch.bfloat16))
+    y = kernels.fp8_linear_op(torch.zeros(3, 32), w, codes, bias, [1, 32], False, 224.0, torch.float16,
+                              decode_max_m, fast.PANEL_BYTES)
+    same_bits(y, (torch.zeros(3, 24) + bias).to(torch.float16))
 
 
 class Recorder(TorchDispatchMode):

@@ -390,6 +390,62 @@ def test_bf16_prefill_leaves_tiles_that_could_meet_a_subnormal_to_fp32():
     assert_linear_close(y, x.to(torch.bfloat16), w.to(torch.bfloat16))
 
 
+@pytest.mark.skipif("avx512_bf16" not in LEVELS, reason="the CPU has no AVX-512 BF16")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("block", [(1, 32), (32, 32), (128, 128)])
+@pytest.mark.parametrize("groups", [3, 33])  # 33: tasks of 2 (2 threads) or 4 (1 thread) row groups
+def test_bf16_prefill_decodes_the_next_panel_inside_the_multiply(block, threads, groups):
+    """On the bf16 tiles the panel of K chunk i + 1 is decoded by steps inside chunk i's register
+    tiles where the lean decoders cover it (whole 32-element units, e8m0 codes, fp8 codes up to 134
+    and no DAZ); other chunks are decoded on their own, and a chunk whose bound says subnormal takes
+    the fp32 microkernel after its job decoded it; a task of several row groups decodes each
+    group's first panel during the previous group's last chunk. K = 4 chunks + 64 (a partial
+    128-block in the last); per row group, the codes choose the route of each chunk. A panel step that wrote the wrong
+    rows, elements or scale, or a chunk that skipped its decode, fails the derived bound (rows
+    8..15 hold only e4m3 subnormals in chunk 1)."""
+    level = "avx512_bf16"
+    rows = _backend.cpu_kernels(level).prefill_task_rows()
+    n, k = (groups - 1) * rows + 5, 4 * 1024 + 64
+    bn, bk = block
+    torch.manual_seed(bn + bk + threads)
+    data, codes = formats.quantize_fp8(torch.randn(n, k), block, torch.uint8)
+    data = data.view(torch.uint8).clone()
+    # Rows 8..15 of chunk 1: e4m3 subnormals only (1..7 * 2**-9, signs kept), a quarter of their terms.
+    data[8:16, 1024:2048] = torch.randint(1, 8, (8, 1024), dtype=torch.uint8) | (data[8:16, 1024:2048] & 0x80)
+    codes = codes.clone()
+    chunk = lambda i: slice(i * 1024 // bk, (i + 1) * 1024 // bk)  # noqa: E731
+    big, small = (rows + 4) // bn, (2 * rows + 1) // bn  # scale rows in the second and third task
+    codes[big, chunk(2)] = 140  # fp8: above the lean decoders' codes, decoded on its own
+    codes[small, chunk(1)] = 5  # weights of 2**-131 and below: the fp32 microkernel
+    codes[-1, chunk(0)] = 140  # the last group's first panel (decoded by a job when it is not a task's first)
+    row_small = torch.zeros(n, dtype=torch.bool)
+    row_small[small * bn : (small + 1) * bn] = True
+    fp32_groups = sum(bool(row_small[g * rows : (g + 1) * rows].any()) for g in range(groups))
+    x = torch.randn(2 * 64 + 3, k)  # past every DECODE_MAX_M; a 3-row last A block
+    w = formats.dequantize_fp8(data, codes, block, torch.float32)
+    bias = torch.randn(n)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        before = prefill_counts(level)
+        y = FP8[level](x, data, codes, bias, list(block), True, 224.0, torch.float32)
+        counts = (prefill_counts(level) - before)[:2].tolist()
+    finally:
+        torch.set_num_threads(previous_threads)
+    assert_linear_close(y, operand(x, True), w, bias)
+    assert counts == [groups - fp32_groups, fp32_groups]
+    if block == (1, 32):  # MXFP4 through the same steps; codes of 5 stay normal there (e2m1 lowest bit 2**-1)
+        p, s4 = formats.quantize_fp4(torch.randn(n, k))
+        s4 = s4.view(torch.uint8).clone()
+        s4[rows + 4, chunk(2)] = 140
+        torch.set_num_threads(threads)
+        try:
+            y4 = FP4[level](x, p, s4, None, False, 224.0, torch.float32)
+        finally:
+            torch.set_num_threads(previous_threads)
+        assert_linear_close(y4, x.to(torch.bfloat16), formats.dequantize_fp4(p, s4, k, torch.float32))
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_prefill_panels_do_not_shrink_with_large_k(level):
     """K = 33024: a 4 MiB fp32 budget would give 31-row panels; they stay at 64 rows (at::mm path)

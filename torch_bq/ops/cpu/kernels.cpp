@@ -1316,19 +1316,22 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 // prefill path: dequantize tiles of W, then a GEMM microkernel per tile
 // --------------------------------------------------------------------------
 //
-// Every task owns Nt rows of W (output columns n0 .. n0 + Nt; Nt = kDotTaskRows
-// with AVX512_BF16, else kTileRows) and computes them for all M rows of A,
-// K chunk by K chunk:
-//   for k-chunk (kc elements, whole scale blocks; kc does not depend on K):
+// Every task owns up to 4 consecutive row groups of Nt rows of W (output
+// columns n0 .. n0 + Nt; Nt = kDotTaskRows with AVX512_BF16, else kTileRows)
+// and computes each for all M rows of A, K chunk by K chunk:
+//   for each group, for k-chunk (kc elements, whole scale blocks; kc does not depend on K):
 //     panel[Nt, kc] = dequantize(W[n0:n0+Nt, k-chunk])        (L2-resident)
 //     C^T[Nt, M] (+)= panel x A^T[k-chunk, :]                 (fp32 accumulators)
-//   out[:, n0:n0+Nt] = (C^T)^T
+//   out[:, n0:n0+Nt] = (C^T)^T       (or round((C^T)^T + bias) into the op's output)
+// With AVX512_BF16 the next panel of the task (next chunk, or the next group's
+// first) is decoded during the current chunk's multiply (PanelJob, dot_tile).
 // The GEMM of a chunk is single-threaded inside each task: the tasks are the
 // only parallelism, so no GEMM-internal barrier waits for a descheduled
 // thread. Accumulation is fp32 over the whole of K (C^T is fp32 and
 // accumulates across chunks), so there is one final rounding only, in the
-// caller. Extra memory per task: the panel and an [Nt, M] fp32 tile,
-// independent of N and of K; per call, the packed bf16 copy of A.
+// caller. Extra memory per thread: two bf16 panels (AVX512_BF16; one fp32
+// panel otherwise) and an [Nt, M] fp32 tile, independent of N and of K; per
+// call, the packed bf16 copy of A.
 //
 // Element types of the microkernel:
 // * bf16 x bf16 -> fp32 (builds with AVX512_BF16): torch_bq's own vdpbf16ps
@@ -1376,7 +1379,24 @@ struct LowBits {
 inline LowBits activation_low_bits(const float* a, int64_t count) {
   uint32_t min_exp = 255;
   bool subnormal = false;
-  for (int64_t i = 0; i < count; ++i) {
+  int64_t i = 0;
+#if defined(TORCH_BQ_AVX512)
+  {
+    // 16 at a time: the smallest exponent field among nonzero elements, and whether one is 0.
+    __m512i low = _mm512_set1_epi32(255);
+    __mmask16 tiny = 0;
+    for (; i + 16 <= count; i += 16) {
+      const __m512i mag = _mm512_and_si512(_mm512_loadu_si512(a + i), _mm512_set1_epi32(0x7FFFFFFF));
+      const __mmask16 nonzero = _mm512_test_epi32_mask(mag, mag);
+      const __m512i e = _mm512_srli_epi32(mag, 23);
+      tiny |= _mm512_mask_cmpeq_epi32_mask(nonzero, e, _mm512_setzero_si512());
+      low = _mm512_mask_min_epu32(low, nonzero, low, e);
+    }
+    min_exp = static_cast<uint32_t>(_mm512_reduce_min_epu32(low));
+    subnormal = tiny != 0;
+  }
+#endif
+  for (; i < count; ++i) {
     const uint32_t b = bits_from_f32(a[i]) & 0x7FFFFFFFu;
     const uint32_t e = b >> 23;
     subnormal |= (e == 0) & (b != 0);
@@ -1542,71 +1562,228 @@ at::Tensor pack_activation(const at::Tensor& A, int64_t kp2) {
   return packed;
 }
 
+// The decode of the next K chunk's panel, cut into steps of 32 elements that
+// the register tiles of the current chunk interleave with their vdpbf16ps
+// (see PanelJob below). NoJob: nothing to interleave.
+struct NoJob {
+  void step() {}
+};
+
 // C^T[NR rows (stride ldc), 16 MV columns] (+)= w[NR, 2 kp] x a^T: w bf16 rows of
 // 2 ws elements, a the packed pairs of one block (row stride as). The last
-// vector's columns beyond `tail` are neither read nor written.
-template <int NR, int MV>
+// vector's columns beyond `tail` are neither read nor written. Meanwhile
+// `steps` steps of `job` run, one every kp / steps pairs: the decode's loads
+// and integer work use ports the vdpbf16ps chains leave idle, and its memory
+// latency hides behind them (done as a separate pass, the decode took about a
+// fifth of the multiply's time at M = 128, half of it waiting on memory).
+template <int NR, int MV, class Job>
 void dot_tile(const uint16_t* w, int64_t ws, const uint32_t* a, int64_t as, int64_t kp, float* c, int64_t ldc,
-              bool accumulate, __mmask16 tail) {
+              bool accumulate, __mmask16 tail, Job* job, int64_t steps) {
   __m512 acc[NR][MV];
   for (int r = 0; r < NR; ++r)
     for (int v = 0; v < MV; ++v)
       acc[r][v] = accumulate ? _mm512_maskz_loadu_ps(v == MV - 1 ? tail : __mmask16(0xFFFF), c + r * ldc + 16 * v)
                              : _mm512_setzero_ps();
-  for (int64_t p = 0; p < kp; ++p) {
-    __m512bh av[MV];
-    for (int v = 0; v < MV; ++v) av[v] = (__m512bh)_mm512_loadu_si512(a + p * as + 16 * v);
-    for (int r = 0; r < NR; ++r) {
-      uint32_t pair;
-      std::memcpy(&pair, w + 2 * (r * ws + p), sizeof pair);
-      const __m512bh wb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-      for (int v = 0; v < MV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av[v], wb);
+  // Runs of `interval` pairs without a branch, a job step after each (a step
+  // inside the pair loop made GCC store every accumulator on each pair).
+  const int64_t interval = steps > 0 ? std::max<int64_t>(1, kp / steps) : kp;
+  int64_t left = steps;
+  for (int64_t p = 0; p < kp;) {
+    const int64_t end = left > 0 ? std::min(kp, p + interval) : kp;
+    for (; p < end; ++p) {
+      __m512bh av[MV];
+      for (int v = 0; v < MV; ++v) av[v] = (__m512bh)_mm512_loadu_si512(a + p * as + 16 * v);
+      for (int r = 0; r < NR; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, w + 2 * (r * ws + p), sizeof pair);
+        const __m512bh wb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        for (int v = 0; v < MV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av[v], wb);
+      }
+    }
+    if constexpr (!std::is_same_v<Job, NoJob>) {
+      if (left > 0) {
+        job->step();
+        --left;
+      }
     }
   }
   for (int r = 0; r < NR; ++r)
     for (int v = 0; v < MV; ++v)
       _mm512_mask_storeu_ps(c + r * ldc + 16 * v, v == MV - 1 ? tail : __mmask16(0xFFFF), acc[r][v]);
+  if constexpr (!std::is_same_v<Job, NoJob>) {
+    for (; left > 0; --left) job->step();
+  }
 }
 
-using DotTile = void (*)(const uint16_t*, int64_t, const uint32_t*, int64_t, int64_t, float*, int64_t, bool, __mmask16);
+template <class Job>
+using DotTile = void (*)(const uint16_t*, int64_t, const uint32_t*, int64_t, int64_t, float*, int64_t, bool, __mmask16,
+                         Job*, int64_t);
 
-template <int NR>
-constexpr DotTile dot_tile_for(int mv) {
-  return mv == 1 ? &dot_tile<NR, 1> : mv == 2 ? &dot_tile<NR, 2> : mv == 3 ? &dot_tile<NR, 3> : &dot_tile<NR, 4>;
+template <int NR, class Job>
+constexpr DotTile<Job> dot_tile_for(int mv) {
+  return mv == 1   ? &dot_tile<NR, 1, Job>
+         : mv == 2 ? &dot_tile<NR, 2, Job>
+         : mv == 3 ? &dot_tile<NR, 3, Job>
+                   : &dot_tile<NR, 4, Job>;
 }
 
-inline DotTile dot_tile_for(int nr, int mv) {
+// Partial register tiles (the last rows of the last row group) never carry job steps.
+inline DotTile<NoJob> partial_dot_tile(int nr, int mv) {
   switch (nr) {
-    case 1: return dot_tile_for<1>(mv);
-    case 2: return dot_tile_for<2>(mv);
-    case 3: return dot_tile_for<3>(mv);
-    case 4: return dot_tile_for<4>(mv);
-    case 5: return dot_tile_for<5>(mv);
-    default: return dot_tile_for<6>(mv);
+    case 1: return dot_tile_for<1, NoJob>(mv);
+    case 2: return dot_tile_for<2, NoJob>(mv);
+    case 3: return dot_tile_for<3, NoJob>(mv);
+    case 4: return dot_tile_for<4, NoJob>(mv);
+    default: return dot_tile_for<5, NoJob>(mv);
   }
 }
 
 // C^T[rows, M] (+)= panel[rows, 2 kp] x A^T[pairs p0 .. p0 + kp) with the packed A.
-// Meanwhile the weight bytes the next panel will decode are prefetched into L2
-// (`next`), spread over the register tiles: short row streams at a stride of K
-// do not train the hardware prefetchers, and a decode that waits on memory
-// would leave the vdpbf16ps units idle.
+// Meanwhile `job` (null: none) decodes the next panel, its steps shared out
+// over the full register tiles (any left run at the end), and the weight bytes
+// a later panel will decode are prefetched into L2 (`next`), spread over the
+// register tiles: short row streams at a stride of K do not train the
+// hardware prefetchers, and a decode that waits on memory would stall.
+template <class Job>
 void dot_chunk(const uint16_t* panel, int64_t rows, const uint32_t* apack, int64_t kp2, int64_t p0, int64_t kp,
-               int64_t M, float* c, bool accumulate, PrefetchPlan next) {
-  const int64_t calls = (M + kDotBlock - 1) / kDotBlock * ((rows + kDotRows - 1) / kDotRows);
+               int64_t M, float* c, bool accumulate, PrefetchPlan next, Job* job, int64_t steps) {
+  const int64_t blocks = (M + kDotBlock - 1) / kDotBlock;
+  const int64_t calls = blocks * ((rows + kDotRows - 1) / kDotRows);
   const int64_t quota = (next.lines() + calls - 1) / calls;
+  int64_t job_calls = job == nullptr ? 0 : blocks * (rows / kDotRows);
   for (int64_t m0 = 0; m0 < M; m0 += kDotBlock) {
     const int64_t width = packed_block_width(M, m0), cols = std::min(kDotBlock, M - m0);
     const int mv = static_cast<int>(width / 16);
     const __mmask16 tail = cols % 16 == 0 ? __mmask16(0xFFFF) : __mmask16((1u << (cols % 16)) - 1);
     const uint32_t* a = apack + m0 * kp2 + p0 * width;
     for (int64_t r0 = 0; r0 < rows; r0 += kDotRows) {
-      const int nr = static_cast<int>(std::min(kDotRows, rows - r0));
       next.issue(quota);
-      dot_tile_for(nr, mv)(panel + 2 * r0 * kp, kp, a, width, kp, c + r0 * M + m0, M, accumulate, tail);
+      const uint16_t* w = panel + 2 * r0 * kp;
+      float* ct = c + r0 * M + m0;
+      if (rows - r0 < kDotRows) {
+        partial_dot_tile(static_cast<int>(rows - r0), mv)(w, kp, a, width, kp, ct, M, accumulate, tail, nullptr, 0);
+      } else if (job_calls > 0) {
+        const int64_t share = (steps + job_calls - 1) / job_calls;
+        dot_tile_for<kDotRows, Job>(mv)(w, kp, a, width, kp, ct, M, accumulate, tail, job, share);
+        steps -= share;
+        --job_calls;
+      } else {
+        dot_tile_for<kDotRows, NoJob>(mv)(w, kp, a, width, kp, ct, M, accumulate, tail, nullptr, 0);
+      }
     }
   }
+  for (; job != nullptr && steps > 0; --steps) job->step();
 }
+#endif
+
+#if defined(TORCH_BQ_AVX512_BF16)
+// 32 fp8 elements as bf16 bits for an e8m0 code up to 134, without DAZ: each
+// byte sign-extended, shifted left 20 and masked to its sign and bits 20..26
+// is an fp32 equal to e4m3(b) * 2**-120 (subnormal for the smallest codes),
+// times sv = 2**(code - 127 + 120) exactly; vcvtne2ps2bf16 is exact on
+// bf16-exact values (it flushes subnormal ones, but a panel that could hold
+// any is never multiplied in bf16: low_bits).
+inline __m512i fp8_bf16x32(const uint8_t* src, __m512 sv) {
+  const __m512i keep = _mm512_set1_epi32(static_cast<int>(0x87F00000u));
+  __m512 v[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m512i d = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * h)));
+    v[h] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(d, 20), keep)), sv);
+  }
+  return (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
+}
+
+inline __m512 fp8_lean_scale(uint8_t code) {
+  return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>((uint32_t(code) + 120) << 23)));
+}
+
+// One 32-element MXFP4 block (16 bytes) as bf16 bits: the 16 e2m1 values times
+// the scale (fp32 products, as the reference forms them; exact in bf16
+// wherever the result is used), then one word lookup per element: nibble
+// pairs of byte j are words 2j (low nibble) and 2j + 1 (high nibble).
+inline __m512i fp4_bf16x32(const uint8_t* src, float scale) {
+  const __m512 values = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f,
+                                       -2.0f, -3.0f, -4.0f, -6.0f);
+  const __m512i nibble = _mm512_set1_epi32(0x0F);
+  const __m512 scaled = _mm512_mul_ps(values, _mm512_set1_ps(scale));
+  const __m512i table = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(scaled), 16)));
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  const __m512i idx = _mm512_or_si512(_mm512_and_si512(x, nibble),
+                                      _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(x, 4), nibble), 16));
+  return _mm512_permutexvar_epi16(idx, table);
+}
+
+// The bf16 panel of QuantizedRows<Fmt, uint8_t>::bf16 for rows [n0, n0 + rows),
+// elements [k0, k1), as steps of 32 elements (row by row), for a chunk the
+// lean decoders above cover whole: 32-aligned blocks and chunk, e8m0 codes
+// up to 134 and no DAZ for fp8. The same values as bf16(), and the same bound.
+template <class Fmt>
+struct QuantPanelJob {
+  const uint8_t* row = nullptr;     // the current row's bytes at element k0
+  const uint8_t* scales = nullptr;  // e8m0 codes [ceil(N / bn), scale_stride]
+  const uint8_t* srow = nullptr;    // the current row's codes from block k0 / bk
+  uint16_t* out = nullptr;          // the current row's panel row
+  int64_t row_stride = 0, scale_stride = 0, bn = 1, kb0 = 0, per_block = 1, padded = 0;
+  int64_t n = 0, n_end = 0, units = 0, total = 0, j = 0, jb = 0, b = 0;
+  LowBits low{0, true};
+
+  bool init(const WeightView& w, int64_t n0, int64_t rows, int64_t k0, int64_t k1, uint16_t* dst, int64_t padded_) {
+    constexpr bool fp8 = std::is_same_v<Fmt, Fp8Format>;
+    if (w.bk % 32 != 0 || (k1 - k0) % 32 != 0 || (fp8 && denormals_are_zero())) return false;
+    scales = static_cast<const uint8_t*>(w.scale);
+    scale_stride = w.scale_stride;
+    bn = w.bn;
+    kb0 = k0 / w.bk;
+    const int64_t kb1 = (k1 + w.bk - 1) / w.bk;
+    uint32_t min_code = 255, max_code = 0;
+    for (int64_t g = n0 / bn; g <= (n0 + rows - 1) / bn; ++g) {
+      for (int64_t bb = kb0; bb < kb1; ++bb) {
+        const uint32_t code = scales[g * scale_stride + bb];
+        min_code = std::min(min_code, code);
+        max_code = std::max(max_code, code);
+      }
+    }
+    if (fp8 && max_code > 134) return false;
+    // As QuantizedRows::low_bits: e4m3 values are multiples of 2**-9, e2m1 values of 0.5.
+    const int low_bit = static_cast<int>(min_code) - 127 + (fp8 ? -9 : -1);
+    low = {low_bit, low_bit < -126};
+    row_stride = w.row_stride;
+    row = w.data + n0 * row_stride + Fmt::row_bytes(k0);
+    n = n0;
+    n_end = n0 + rows;
+    out = dst;
+    padded = padded_;
+    per_block = w.bk / 32;
+    units = (k1 - k0) / 32;
+    total = rows * units;
+    return true;
+  }
+  int64_t steps() const { return total; }
+  LowBits bits() const { return low; }
+  void step() {
+    if (j == 0) srow = scales + (n / bn) * scale_stride + kb0;
+    // The next row's bytes at this position, a row of steps ahead: the first
+    // job of a task reads a chunk no earlier panel prefetched.
+    if (n + 1 < n_end) _mm_prefetch(reinterpret_cast<const char*>(row + row_stride + Fmt::row_bytes(32 * j)), _MM_HINT_T0);
+    __m512i v;
+    if constexpr (std::is_same_v<Fmt, Fp8Format>) {
+      v = fp8_bf16x32(row + 32 * j, fp8_lean_scale(srow[b]));
+    } else {
+      v = fp4_bf16x32(row + 16 * j, kTables.e8m0[srow[b]]);
+    }
+    _mm512_storeu_si512(reinterpret_cast<void*>(out + 32 * j), v);
+    if (++jb == per_block) {
+      jb = 0;
+      ++b;
+    }
+    if (++j == units) {
+      j = jb = b = 0;
+      ++n;
+      row += row_stride;
+      out += padded;
+    }
+  }
+};
 #endif
 
 // The weight side of one task: fills panels with rows [n0, n0 + rows) of W,
@@ -1673,43 +1850,22 @@ struct QuantizedRows {
       if constexpr (std::is_same_v<Fmt, Fp8Format>) {
 #if defined(TORCH_BQ_AVX512_BF16)
         if (!daz && w.bk % 32 == 0) {
-          // As below: e4m3(b) * 2**-120 from the bits, times 2**(code - 127 + 120), for codes up to 134.
-          const __m512i keep = _mm512_set1_epi32(static_cast<int>(0x87F00000u));
           for (; (b + 1) * w.bk <= k1 && srow[b] <= 134; ++b) {
-            const __m512 sv = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>((uint32_t(srow[b]) + 120) << 23)));
+            const __m512 sv = fp8_lean_scale(srow[b]);
             const uint8_t* src = row + b * w.bk;
             uint16_t* out = dst + (b * w.bk - k0);
-            // 32 at a time through vcvtne2ps2bf16: exact on bf16-exact values; it
-            // flushes subnormal ones, but a panel that holds any is not used (low_bits).
-            for (int64_t j = 0; j < w.bk; j += 32) {
-              __m512 v[2];
-              for (int h = 0; h < 2; ++h) {
-                const __m512i d = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j + 16 * h)));
-                v[h] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(d, 20), keep)), sv);
-              }
-              _mm512_storeu_si512(reinterpret_cast<void*>(out + j), (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
-            }
+            for (int64_t j = 0; j < w.bk; j += 32)
+              _mm512_storeu_si512(reinterpret_cast<void*>(out + j), fp8_bf16x32(src + j, sv));
           }
         }
 #endif
       } else if constexpr (std::is_same_v<Fmt, Fp4Format>) {
+#if defined(TORCH_BQ_AVX512_BF16)
         if (w.bk == 32) {
-          // Per block, the 16 e2m1 values times the scale (fp32 products, as the
-          // reference forms them; exact in bf16 wherever this path's result is
-          // used), then one word lookup per element: nibble pairs of byte j are
-          // words 2j (low nibble) and 2j + 1 (high nibble).
-          const __m512 values = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f,
-                                               -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
-          const __m512i nibble = _mm512_set1_epi32(0x0F);
-          for (; (b + 1) * 32 <= k1; ++b) {
-            const __m512 scaled = _mm512_mul_ps(values, _mm512_set1_ps(kTables.e8m0[srow[b]]));
-            const __m512i table = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(scaled), 16)));
-            const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)));
-            const __m512i idx = _mm512_or_si512(_mm512_and_si512(x, nibble),
-                                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(x, 4), nibble), 16));
-            _mm512_storeu_si512(reinterpret_cast<void*>(dst + (b * 32 - k0)), _mm512_permutexvar_epi16(idx, table));
-          }
+          for (; (b + 1) * 32 <= k1; ++b)
+            _mm512_storeu_si512(reinterpret_cast<void*>(dst + (b * 32 - k0)), fp4_bf16x32(row + b * 16, kTables.e8m0[srow[b]]));
         }
+#endif
       }
     }
     for (; b * w.bk < k1; ++b) {
@@ -1752,6 +1908,18 @@ struct QuantizedRows {
 #endif
     return low_bits(n, k0, k1);
   }
+#if defined(TORCH_BQ_AVX512_BF16)
+  using PanelJob = QuantPanelJob<Fmt>;
+  // bf16()'s panel of rows [n0, n0 + rows) as a job of steps, where the lean decoders cover the chunk.
+  bool panel_job(int64_t n0, int64_t rows, int64_t k0, int64_t k1, uint16_t* dst, int64_t padded,
+                 PanelJob& job) const {
+    if constexpr (std::is_same_v<S, uint8_t>) {
+      return job.init(w, n0, rows, k0, k1, dst, padded);
+    } else {
+      return false;  // fp32 multipliers: never a bf16 panel
+    }
+  }
+#endif
 };
 
 // bf16 or fp32 weights [N, K] (bf16_linear, fp32w_linear: both use bf16(W)).
@@ -1774,6 +1942,45 @@ struct DenseRows {
     const T* row = data + n * K;
     for (int64_t k = k0; k < k1; ++k) dst[k - k0] = f32_from_bits(uint32_t(bf16_of(row[k])) << 16);
   }
+#if defined(TORCH_BQ_AVX512)
+  // 32 elements of src as bf16 bits (fp32: rounded as torch rounds, nearest even on the bits, NaN -> 0x7FC0).
+  static __m512i bf16x32(const T* src) {
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      return _mm512_loadu_si512(reinterpret_cast<const void*>(src));
+    } else {
+      __m256i half[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m512 x = _mm512_loadu_ps(src + 16 * h);
+        const __m512i b = _mm512_castps_si512(x);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+        half[h] = _mm512_cvtepi32_epi16(r);
+      }
+      return _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
+    }
+  }
+  // The running bound of a scan: the smallest exponent field among nonzero
+  // elements (per lane) and whether a nonzero one was subnormal.
+  struct Scan {
+    __m512i low = _mm512_set1_epi16(255);
+    __mmask32 tiny = 0;
+    void add(__m512i v) {
+      const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi16(0x7FFF));
+      const __mmask32 nonzero = _mm512_test_epi16_mask(mag, mag);
+      const __m512i e = _mm512_srli_epi16(mag, 7);
+      tiny |= _mm512_mask_cmpeq_epi16_mask(nonzero, e, _mm512_setzero_si512());
+      low = _mm512_mask_min_epu16(low, nonzero, low, e);
+    }
+    uint32_t min_exp() const {
+      alignas(64) uint16_t lanes[32];
+      _mm512_store_si512(reinterpret_cast<void*>(lanes), low);
+      uint32_t m = 255;
+      for (uint16_t lane : lanes) m = std::min<uint32_t>(m, lane);
+      return m;
+    }
+  };
+#endif
   // Copies and scans in one pass (bf16 weights carry no shared scale to read the bound from).
   LowBits bf16(int64_t n, int64_t k0, int64_t k1, uint16_t* dst, float*) const {
     const T* row = data + n * K;
@@ -1782,39 +1989,14 @@ struct DenseRows {
     int64_t k = k0;
 #if defined(TORCH_BQ_AVX512)
     {
-      // 32 elements per step: copy (fp32: round to bf16 as torch does, nearest
-      // even on the bits, NaN -> 0x7FC0), and the smallest exponent field
-      // among the nonzero ones.
-      const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
-      __m512i low = _mm512_set1_epi16(255);
-      __mmask32 tiny = 0;
+      Scan scan;
       for (; k + 32 <= k1; k += 32) {
-        __m512i v;
-        if constexpr (std::is_same_v<T, at::BFloat16>) {
-          v = _mm512_loadu_si512(reinterpret_cast<const void*>(row + k));
-        } else {
-          __m256i half[2];
-          for (int h = 0; h < 2; ++h) {
-            const __m512 x = _mm512_loadu_ps(row + k + 16 * h);
-            const __m512i b = _mm512_castps_si512(x);
-            const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-            __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-            r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-            half[h] = _mm512_cvtepi32_epi16(r);
-          }
-          v = _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
-        }
+        const __m512i v = bf16x32(row + k);
         _mm512_storeu_si512(reinterpret_cast<void*>(dst + (k - k0)), v);
-        const __m512i mag = _mm512_and_si512(v, magnitude);
-        const __mmask32 nonzero = _mm512_test_epi16_mask(mag, mag);
-        const __m512i e = _mm512_srli_epi16(mag, 7);
-        tiny |= _mm512_mask_cmpeq_epi16_mask(nonzero, e, _mm512_setzero_si512());
-        low = _mm512_mask_min_epu16(low, nonzero, low, e);
+        scan.add(v);
       }
-      alignas(64) uint16_t lanes[32];
-      _mm512_store_si512(reinterpret_cast<void*>(lanes), low);
-      for (uint16_t lane : lanes) min_exp = std::min<uint32_t>(min_exp, lane);
-      subnormal = tiny != 0;
+      min_exp = scan.min_exp();
+      subnormal = scan.tiny != 0;
     }
 #endif
     for (; k < k1; ++k) {
@@ -1831,7 +2013,7 @@ struct DenseRows {
 struct TileBuffers {
   std::vector<float> c;         // [Nt, M] fp32 accumulators (C^T)
   std::vector<float> panel32;   // [Nt, kc]
-  std::vector<uint16_t> panel16;
+  std::vector<uint16_t> panel16;  // two bf16 panels [Nt, kc]: the one multiplied, the one being decoded
   std::vector<float> scratch;   // one row chunk
 };
 
@@ -1857,8 +2039,55 @@ struct has_bytes_of : std::false_type {};
 template <class R>
 struct has_bytes_of<R, std::void_t<decltype(std::declval<const R&>().bytes_of(0, 0, 0, 0))>> : std::true_type {};
 
-// out[m, r] = c[r, m] for r < rows, m < M (out's rows ldo apart).
-inline void store_transposed(const float* c, int64_t rows, int64_t M, float* out, int64_t ldo) {
+// Whether a Rows type can cut its bf16 panel decode into steps (PanelJob, panel_job; optional).
+template <class R, class = void>
+struct has_panel_job : std::false_type {};
+template <class R>
+struct has_panel_job<R, std::void_t<typename R::PanelJob>> : std::true_type {};
+
+// The op's own output [M, N] (out_dtype), for kernels that write it directly: the
+// fp32 result plus the fp32 bias, rounded once (as store_output below).
+struct FinalOutput {
+  void* data = nullptr;
+  at::ScalarType dtype = at::kFloat;
+  const float* bias = nullptr;  // [N] or null
+  int64_t N = 0;
+
+  void put(int64_t m, int64_t n, float v) const {
+    if (bias != nullptr) v += bias[n];
+    if (dtype == at::kBFloat16)
+      static_cast<uint16_t*>(data)[m * N + n] = bf16_rne(v);
+    else if (dtype == at::kHalf)
+      static_cast<at::Half*>(data)[m * N + n] = at::Half(v);
+    else
+      static_cast<float*>(data)[m * N + n] = v;
+  }
+#if defined(TORCH_BQ_AVX512)
+  // Columns [n, n + 16) of row m.
+  void put16(int64_t m, int64_t n, __m512 v) const {
+    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+    if (dtype == at::kBFloat16) {
+      // torch's rounding: nearest even on the bits, NaN -> 0x7FC0 (vcvtneps2bf16 would flush subnormals).
+      const __m512i b = _mm512_castps_si512(v);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+      __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+      r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(data) + m * N + n), _mm512_cvtepi32_epi16(r));
+    } else if (dtype == at::kFloat) {
+      _mm512_storeu_ps(static_cast<float*>(data) + m * N + n, v);
+    } else {
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, v);
+      for (int i = 0; i < 16; ++i) static_cast<at::Half*>(data)[m * N + n + i] = at::Half(lanes[i]);
+    }
+  }
+#endif
+};
+
+// out[m, n0 + r] = c[r, m] for r < rows, m < M (out fp32, rows ldo apart), or into
+// `final` (not null) with its bias and rounding.
+inline void store_transposed(const float* c, int64_t rows, int64_t M, float* out, int64_t ldo, int64_t n0,
+                             const FinalOutput* final) {
   int64_t r0 = 0;
 #if defined(TORCH_BQ_AVX512)
   for (; r0 + 16 <= rows; r0 += 16) {
@@ -1868,69 +2097,128 @@ inline void store_transposed(const float* c, int64_t rows, int64_t M, float* out
       __m512i v[16];
       for (int i = 0; i < 16; ++i) v[i] = _mm512_maskz_loadu_epi32(valid, c + (r0 + i) * M + m0);
       transpose16(v);
-      for (int64_t j = 0; j < cols; ++j) _mm512_storeu_si512(out + (m0 + j) * ldo + r0, v[j]);
+      if (final != nullptr) {
+        for (int64_t j = 0; j < cols; ++j) final->put16(m0 + j, n0 + r0, _mm512_castsi512_ps(v[j]));
+      } else {
+        for (int64_t j = 0; j < cols; ++j) _mm512_storeu_si512(out + (m0 + j) * ldo + n0 + r0, v[j]);
+      }
     }
   }
 #endif
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t r = r0; r < rows; ++r) out[m * ldo + r] = c[r * M + m];
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t r = r0; r < rows; ++r) {
+      if (final != nullptr)
+        final->put(m, n0 + r, c[r * M + m]);
+      else
+        out[m * ldo + n0 + r] = c[r * M + m];
+    }
+  }
 }
 
-// out[:, n0:n0+rows] for one task. With bf16_ok (A allows it), each K chunk
-// whose weights allow it too runs the bf16 microkernel, the others the fp32
-// one; both accumulate into the same fp32 C^T.
+// out[:, n_begin:n_end] for one task: groups of `group` weight rows one after
+// the other, each over all of K. With bf16_ok (A allows it), each K chunk of a
+// group whose weights allow it too runs the bf16 microkernel, the others the
+// fp32 one; both accumulate into the group's fp32 C^T. On the bf16 path the
+// panel that comes next (the group's next chunk, or the next group's first)
+// is decoded while this one is multiplied (a PanelJob's steps inside the
+// register tiles, where the Rows type has one for that chunk), into the other
+// of two panel buffers; the task's first panel, and panels whose job does not
+// apply, are decoded on their own.
 template <class Rows>
-void gemm_tile(const Rows& wr, GemmOperands& ops, int64_t n0, int64_t rows, bool bf16_ok, float* out, int64_t N) {
+void gemm_task(const Rows& wr, GemmOperands& ops, int64_t n_begin, int64_t n_end, int64_t group, bool bf16_ok,
+               float* out, int64_t N, const FinalOutput* final) {
   const int64_t M = ops.M, K = ops.K;
   const int64_t kc = chunk_elems(wr.chunk_align());
   TileBuffers& buf = tile_buffers();
-  buf.c.resize(rows * M);
+  buf.c.resize(std::min(group, n_end - n_begin) * M);
   float* c = buf.c.data();
-  bool all_bf16 = bf16_ok;
-  for (int64_t k0 = 0; k0 < K; k0 += kc) {
-    const int64_t k1 = std::min(K, k0 + kc), width = k1 - k0;
-    bool chunk_bf16 = false;
 #if defined(TORCH_BQ_AVX512_BF16)
-    if (bf16_ok) {
-      const int64_t padded = width + (width & 1);  // pairs with A^T's zero row
-      buf.panel16.resize(rows * padded);
-      buf.scratch.resize(width);
-      uint16_t* p = buf.panel16.data();
-      LowBits bits{std::numeric_limits<int>::max(), false};
-      for (int64_t r = 0; r < rows; ++r) {
-        const LowBits row_bits = wr.bf16(n0 + r, k0, k1, p + r * padded, buf.scratch.data());
-        bits = {std::min(bits.low_bit, row_bits.low_bit), bits.subnormal || row_bits.subnormal};
-        if (padded != width) p[r * padded + width] = 0;
-      }
-      chunk_bf16 = !bits.subnormal && ops.a_bits.low_bit + bits.low_bit >= -126;
-      if (chunk_bf16) {
-        // The next chunk of these rows, or the first chunk of the next rows.
-        PrefetchPlan next;
-        if constexpr (has_bytes_of<Rows>::value) {
-          if (k1 < K)
-            next = wr.bytes_of(n0, rows, k1, std::min(K, k1 + kc));
-          else if (n0 + rows < N)
-            next = wr.bytes_of(n0 + rows, std::min(rows, N - n0 - rows), 0, std::min(K, kc));
-        }
-        dot_chunk(p, rows, reinterpret_cast<const uint32_t*>(ops.apack.data_ptr<int32_t>()), ops.Kp / 2, k0 / 2,
-                  padded / 2, M, c, k0 > 0, next);
-      }
-    }
-#endif
-    if (!chunk_bf16) {
-      buf.panel32.resize(rows * width);
-      const float* bt = ops.at32();
-      float* p = buf.panel32.data();
-      for (int64_t r = 0; r < rows; ++r) wr.fp32(n0 + r, k0, k1, p + r * width);
-      for (int64_t m0 = 0; m0 < M; m0 += kTileCols) {
-        const int64_t cols = std::min(kTileCols, M - m0);
-        at::native::cpublas::brgemm(rows, cols, width, width, M, M, k0 > 0, p, bt + k0 * M + m0, c + m0, false);
-      }
-      all_bf16 = false;
-    }
+  bool decoded = false;  // this panel was decoded by the previous panel's job
+  LowBits decoded_bits{0, true};
+  int64_t panels = 0;
+  if (bf16_ok) {
+    buf.panel16.resize(2 * std::min(group, n_end - n_begin) * kc);  // kc is even: padded widths <= kc
+    buf.scratch.resize(kc);
   }
-  store_transposed(c, rows, M, out + n0, N);
-  prefill_tiles[all_bf16 ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
+#endif
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += group) {
+    const int64_t rows = std::min(group, n_end - n0);
+    bool all_bf16 = bf16_ok;
+    for (int64_t k0 = 0; k0 < K; k0 += kc) {
+      const int64_t k1 = std::min(K, k0 + kc), width = k1 - k0;
+      bool chunk_bf16 = false;
+#if defined(TORCH_BQ_AVX512_BF16)
+      if (bf16_ok) {
+        const int64_t padded = width + (width & 1);  // pairs with A^T's zero row
+        const int64_t half = std::min(group, n_end - n_begin) * kc;
+        uint16_t* p = buf.panel16.data() + (panels & 1) * half;
+        LowBits bits{std::numeric_limits<int>::max(), false};
+        if (decoded) {
+          bits = decoded_bits;
+        } else {
+          for (int64_t r = 0; r < rows; ++r) {
+            const LowBits row_bits = wr.bf16(n0 + r, k0, k1, p + r * padded, buf.scratch.data());
+            bits = {std::min(bits.low_bit, row_bits.low_bit), bits.subnormal || row_bits.subnormal};
+          }
+        }
+        if (padded != width)
+          for (int64_t r = 0; r < rows; ++r) p[r * padded + width] = 0;
+        decoded = false;
+        chunk_bf16 = !bits.subnormal && ops.a_bits.low_bit + bits.low_bit >= -126;
+        if (chunk_bf16) {
+          // The panel after this one: the next chunk of these rows, else the next rows' first
+          // (past the task: the rows after it, only to prefetch), and the one after that.
+          struct Panel {
+            int64_t n0, rows, k0, k1;
+          };
+          auto after = [&](const Panel& q) {
+            if (q.k1 < K) return Panel{q.n0, q.rows, q.k1, std::min(K, q.k1 + kc)};
+            const int64_t next = q.n0 + q.rows;
+            return Panel{next, std::min(group, N - next), 0, std::min(K, kc)};
+          };
+          auto prefetch = [&](const Panel& q) {
+            PrefetchPlan plan;
+            if constexpr (has_bytes_of<Rows>::value) {
+              if (q.rows > 0) plan = wr.bytes_of(q.n0, q.rows, q.k0, q.k1);
+            }
+            return plan;
+          };
+          const Panel next = after(Panel{n0, rows, k0, k1});
+          const uint32_t* apack = reinterpret_cast<const uint32_t*>(ops.apack.data_ptr<int32_t>());
+          bool fused = false;
+          if constexpr (has_panel_job<Rows>::value) {
+            typename Rows::PanelJob job;
+            const int64_t npadded = (next.k1 - next.k0) + ((next.k1 - next.k0) & 1);
+            uint16_t* np = buf.panel16.data() + ((panels + 1) & 1) * half;
+            if (next.n0 < n_end && wr.panel_job(next.n0, next.rows, next.k0, next.k1, np, npadded, job)) {
+              dot_chunk(p, rows, apack, ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0, prefetch(after(next)), &job,
+                        job.steps());
+              decoded_bits = job.bits();
+              fused = decoded = true;
+            }
+          }
+          if (!fused)
+            dot_chunk<NoJob>(p, rows, apack, ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0, prefetch(next), nullptr,
+                             0);
+        }
+        ++panels;
+      }
+#endif
+      if (!chunk_bf16) {
+        buf.panel32.resize(rows * width);
+        const float* bt = ops.at32();
+        float* p = buf.panel32.data();
+        for (int64_t r = 0; r < rows; ++r) wr.fp32(n0 + r, k0, k1, p + r * width);
+        for (int64_t m0 = 0; m0 < M; m0 += kTileCols) {
+          const int64_t cols = std::min(kTileCols, M - m0);
+          at::native::cpublas::brgemm(rows, cols, width, width, M, M, k0 > 0, p, bt + k0 * M + m0, c + m0, false);
+        }
+        all_bf16 = false;
+      }
+    }
+    store_transposed(c, rows, M, out, N, n0, final);
+    prefill_tiles[all_bf16 ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
+  }
 }
 
 // at::mm on fp32 panels: CPUs without AVX2 (generic build) or with MKLDNN switched off.
@@ -1950,9 +2238,15 @@ void panel_mm(const Rows& wr, const at::Tensor& A, int64_t N, int64_t panel_byte
   }
 }
 
-// out [M, N] fp32 = A [M, K] (fp32, bf16-exact values) x W^T.
+// out [M, N] fp32 = A [M, K] (fp32, bf16-exact values) x W^T; or, where `final` is given
+// and the microkernel tasks run, final = round(A x W^T + bias) directly (then `out` is
+// not written). Returns whether `final` was written.
 template <class Rows>
-void prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t panel_bytes, at::Tensor& out) {
+bool prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t panel_bytes, at::Tensor& out,
+                    const FinalOutput* final = nullptr) {
+#if !defined(TORCH_BQ_AVX512)
+  final = nullptr;  // the transposing store is scalar here: fp32 out, then store_output's vector rounding
+#endif
 #if defined(TORCH_BQ_AVX2)
   if (brgemm_enabled()) {
     GemmOperands ops;
@@ -1973,16 +2267,22 @@ void prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t pane
 #else
     constexpr int64_t task_rows = kTileRows;
 #endif
-    const int64_t tasks = (N + task_rows - 1) / task_rows;
-    float* o = out.data_ptr<float>();
+    // Consecutive groups of task_rows per task, so that a group's first panel is decoded
+    // during the previous group's last chunk; at least 8 tasks per thread (a late thread
+    // costs one task), at most 4 groups each.
+    const int64_t groups = (N + task_rows - 1) / task_rows;
+    const int64_t per_task = std::clamp<int64_t>(groups / (8 * std::max(1, at::get_num_threads())), 1, 4);
+    const int64_t tasks = (groups + per_task - 1) / per_task;
+    float* o = final != nullptr ? nullptr : out.data_ptr<float>();
     run_tasks(tasks, [&](int64_t t) {
-      const int64_t n0 = t * task_rows, rows = std::min(task_rows, N - n0);
-      gemm_tile(wr, ops, n0, rows, bf16, o, N);
+      const int64_t n0 = t * per_task * task_rows, n1 = std::min(N, n0 + per_task * task_rows);
+      gemm_task(wr, ops, n0, n1, task_rows, bf16, o, N, final);
     });
-    return;
+    return final != nullptr;
   }
 #endif
   panel_mm(wr, A, N, panel_bytes, out);
+  return false;
 }
 
 // --------------------------------------------------------------------------
@@ -2309,14 +2609,14 @@ void store_output(const float* y, const float* bias, int64_t M, int64_t N, at::T
   }
 }
 
-// The shared body: A staged, the kernel, bias and rounding into the final [..., N] tensor.
-// The decode path touches no ATen op (each costs microseconds from a cold cache): the
-// weight and scale bytes are read through their pointers, whatever their dtype names.
-template <class Fmt>
-at::Tensor run_entry(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                     const std::optional<at::Tensor>& bias, int64_t bn, int64_t bk, bool act_quant,
-                     double act_peak, at::ScalarType out_dtype, int64_t decode_max_m, int64_t panel_bytes) {
-  const int64_t K = x.size(-1), M = x.numel() / K, N = weight.size(0);
+// The shared body: A staged, kernel(a, M, y) (y fp32 [M, N]), bias and rounding into the
+// final [..., N] tensor. The decode path touches no ATen op (each costs microseconds from a
+// cold cache): the weight and scale bytes are read through their pointers, whatever their
+// dtype names.
+template <class Kernel>
+at::Tensor staged_entry(const at::Tensor& x, int64_t N, const std::optional<at::Tensor>& bias, bool act_quant,
+                        double act_peak, at::ScalarType out_dtype, const Kernel& kernel) {
+  const int64_t K = x.size(-1), M = x.numel() / K;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   at::Tensor out = at::detail::empty_cpu(shape, out_dtype, false, std::nullopt);
@@ -2325,29 +2625,38 @@ at::Tensor run_entry(const at::Tensor& x, const at::Tensor& weight, const at::Te
   float* a = scratch(M * K, 0, a_holder);
   float* y = scratch(M * N, 1, y_holder);
   stage_activation(x, M, K, act_quant, act_peak, a);
-  const WeightView w{static_cast<const uint8_t*>(weight.const_data_ptr()), weight.size(1), scale.const_data_ptr(),
-                     scale.size(1), bn, bk, K};
-  const bool codes = scale.scalar_type() != at::kFloat;
-  if (M <= decode_max_m) {
-    if (codes)
-      decode_linear<Fmt, uint8_t>(w, a, M, N, y);
-    else
-      decode_linear<Fmt, float>(w, a, M, N, y);
-  } else {
-    const auto f32 = at::TensorOptions().dtype(at::kFloat);
-    at::Tensor a_t = at::from_blob(a, {M, K}, f32), y_t = at::from_blob(y, {M, N}, f32);
-    if (codes)
-      prefill_linear(QuantizedRows<Fmt, uint8_t>{w}, a_t, N, panel_bytes, y_t);
-    else
-      prefill_linear(QuantizedRows<Fmt, float>{w}, a_t, N, panel_bytes, y_t);
-  }
   const float* b = nullptr;
   if (bias.has_value()) {
     b_holder = bias->scalar_type() == at::kFloat && bias->is_contiguous() ? *bias : bias->to(at::kFloat).contiguous();
     b = b_holder.const_data_ptr<float>();
   }
-  store_output(y, b, M, N, out);
+  const FinalOutput final{out.data_ptr(), out_dtype, b, N};
+  if (!kernel(a, M, y, final)) store_output(y, b, M, N, out);  // the kernel wrote y, not out
   return out;
+}
+
+template <class Fmt>
+at::Tensor run_entry(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                     const std::optional<at::Tensor>& bias, int64_t bn, int64_t bk, bool act_quant,
+                     double act_peak, at::ScalarType out_dtype, int64_t decode_max_m, int64_t panel_bytes) {
+  const int64_t K = x.size(-1), N = weight.size(0);
+  return staged_entry(x, N, bias, act_quant, act_peak, out_dtype,
+                      [&](float* a, int64_t M, float* y, const FinalOutput& final) {
+    const WeightView w{static_cast<const uint8_t*>(weight.const_data_ptr()), weight.size(1), scale.const_data_ptr(),
+                       scale.size(1), bn, bk, K};
+    const bool codes = scale.scalar_type() != at::kFloat;
+    if (M <= decode_max_m) {
+      if (codes)
+        decode_linear<Fmt, uint8_t>(w, a, M, N, y);
+      else
+        decode_linear<Fmt, float>(w, a, M, N, y);
+      return false;
+    }
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor a_t = at::from_blob(a, {M, K}, f32), y_t = at::from_blob(y, {M, N}, f32);
+    if (codes) return prefill_linear(QuantizedRows<Fmt, uint8_t>{w}, a_t, N, panel_bytes, y_t, &final);
+    return prefill_linear(QuantizedRows<Fmt, float>{w}, a_t, N, panel_bytes, y_t, &final);
+  });
 }
 
 at::Tensor fp8_linear_op(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
@@ -2387,6 +2696,28 @@ at::Tensor fp4_linear_op(const at::Tensor& x, const at::Tensor& weight, const at
     return {};
   return run_entry<Fp4Format>(x, weight, scale, bias, 1, 32, act_quant, act_peak, out_dtype, decode_max_m,
                               panel_bytes);
+}
+
+// bf16_linear / fp32w_linear in one call: bf16(x), the prefill kernel on the dense weight
+// (fp32 weights narrowed to bf16 element by element), the bias in fp32 and the one rounding
+// to out_dtype. The caller has checked the arguments (which weight dtype the op takes is its
+// to say); anything unusual still returns an undefined tensor.
+at::Tensor dense_linear_op(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                           at::ScalarType out_dtype, int64_t panel_bytes) {
+  if (!(no_mode() && plain_cpu(x) && plain_cpu(weight) && act_dtype(x.scalar_type()) && act_dtype(out_dtype) &&
+        x.dim() >= 1 && weight.dim() == 2 && weight.is_contiguous() &&
+        (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat)))
+    return {};
+  const int64_t N = weight.size(0), K = weight.size(1);
+  if (!(K > 0 && x.size(-1) == K && plain_bias(bias, N))) return {};
+  return staged_entry(x, N, bias, false, 1.0, out_dtype, [&](float* a, int64_t M, float* y, const FinalOutput& final) {
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor a_t = at::from_blob(a, {M, K}, f32), y_t = at::from_blob(y, {M, N}, f32);
+    if (weight.scalar_type() == at::kBFloat16)
+      return prefill_linear(DenseRows<at::BFloat16>{weight.const_data_ptr<at::BFloat16>(), K}, a_t, N, panel_bytes,
+                            y_t, &final);
+    return prefill_linear(DenseRows<float>{weight.const_data_ptr<float>(), K}, a_t, N, panel_bytes, y_t, &final);
+  });
 }
 
 // The decode kernels this build runs for 32-wide e8m0 blocks: "avx512_bf16"
@@ -2480,6 +2811,8 @@ TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
       "fp4_linear_op(Tensor x, Tensor weight, Tensor scale, Tensor? bias, bool act_quant, float act_peak, "
       "ScalarType out_dtype, int decode_max_m, int panel_bytes) -> Tensor",
       &torch_bq_cpu::fp4_linear_op);
+  m.def("dense_linear_op(Tensor x, Tensor weight, Tensor? bias, ScalarType out_dtype, int panel_bytes) -> Tensor",
+        &torch_bq_cpu::dense_linear_op);
   m.def("vectorized() -> bool", &torch_bq_cpu::vectorized);
   m.def("prefill_counts() -> int[]", &torch_bq_cpu::prefill_counts);
   m.def("prefill_task_rows() -> int", &torch_bq_cpu::prefill_task_rows);

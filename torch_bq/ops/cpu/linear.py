@@ -24,8 +24,8 @@ Tuning:
   the format and on K (``DECODE_MAX_M``: measured crossovers).
 * ``PANEL_BYTES``: the fp32 panel size of the prefill path where it runs at::mm
   (the generic build, or MKLDNN switched off); the microkernel path of the
-  other builds uses fixed tasks of 96 (AVX-512 BF16) or 64 weight rows and K
-  chunks of 1024 (see kernels.cpp's prefill section).
+  other builds uses fixed row groups of 96 (AVX-512 BF16) or 64 weight rows and
+  K chunks of 1024 (see kernels.cpp's prefill section).
 """
 
 from __future__ import annotations
@@ -302,6 +302,11 @@ def _dense_linear(x, weight, bias, out_dtype, weight_dtype, reference):
     ref.check_dense_linear_args(x, weight, bias, out_dtype, weight_dtype)
     if x.shape[-1] == 0:
         return ref.zero_k_linear(x, weight.shape[0], bias, out_dtype)
+    entry = getattr(kernels, "dense_linear_op", None)  # one C++ call: staging, kernel, bias, rounding
+    if entry is not None:
+        y = entry(x, weight, bias, out_dtype, PANEL_BYTES)
+        if y is not None:
+            return y
     a = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).to(torch.float32).contiguous()
     y = kernels.dense_linear(a, weight.contiguous(), _bias(bias), PANEL_BYTES)
     return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
