@@ -509,9 +509,10 @@ def test_decode_kernels_and_boundary_per_level(level):
         assert 1 <= fast.decode_max_m(kernels, fmt, 1 << 20) <= fast.DECODE_MAX_M[isa][fmt]
 
 
-# Row counts that give each tile shape of the decode kernels (NT = 4 x MT = 1-3 up to M = 3,
-# then NT = 1 x MT = 4-8 in near-equal row tiles) and a few splits into several tiles.
-ONE_HOT_ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 13, 16]
+# Row counts that give each tile shape of the decode kernels (the AVX2 ones: NT = 4 x MT = 1-3
+# up to M = 3, then NT = 1 x MT = 4-8 in near-equal row tiles; the AVX-512 BF16 ones: NT = 4 x
+# MT = 1-5, two such tiles at M = 6, the folded tiles from M = 7) and a few splits into several tiles.
+ONE_HOT_ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16]
 
 
 def one_hot_products(linear, k, dtype=torch.float32):
@@ -522,6 +523,49 @@ def one_hot_products(linear, k, dtype=torch.float32):
     eye = torch.eye(k, dtype=dtype)
     for m in ONE_HOT_ROWS:
         yield m, torch.cat([linear(eye[k0 : k0 + m]) for k0 in range(0, k, m)])
+
+
+@pytest.mark.skipif("avx512_bf16" not in LEVELS, reason="this CPU has no AVX-512 BF16")
+@pytest.mark.parametrize("fmt", ["fp8 32x32", "fp8 1x32", "fp4"])
+def test_bf16_decode_tiles_around_the_fold_switch(fmt):
+    """The AVX-512 BF16 decode runs its per-lane-scale tiles (up to 5 rows in one tile over 4
+    weight rows, 6 as two tiles) below ``decode_fold_rows()`` rows and its folded K-block tiles
+    from there. At each row count around those switches the call takes the tiles it should
+    (``decode_counts``) and, with one-hot activations, gives every weight element exactly:
+    a row tile that read or wrote the wrong row of A or of the output, or a remainder row it
+    lost, fails here. N = 21: a partial 8-row group and a 4-row tile plus single rows; K = 600:
+    a partial last K-block and a partial last 32-block."""
+    kernels = _backend.cpu_kernels("avx512_bf16")
+    assert kernels is not None, "the avx512_bf16 CPU kernels did not build or load"
+    fold8, fold4 = kernels.decode_fold_rows()
+    fold = fold4 if fmt == "fp4" else fold8
+    n, k = 21, 600
+    torch.manual_seed(len(fmt))
+    codes = torch.randint(120, 135, (n, -(-k // 32)), dtype=torch.uint8)  # the folded range for A = 1
+    if fmt == "fp4":
+        packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+        w = formats.dequantize_fp4(packed, codes, k, torch.float32)
+
+        def linear(x):
+            return FP4["avx512_bf16"](x, packed, codes, None, False, 448.0, torch.float32)
+    else:
+        block = (32, 32) if fmt == "fp8 32x32" else (1, 32)
+        data = torch.randint(0, 256, (n, k), dtype=torch.uint8)
+        data[(data & 0x7F) == 0x7F] = 0x3E  # no NaN bytes
+        scale = codes[:: block[0]].contiguous()
+        w = formats.dequantize_fp8(data, scale, block, torch.float32)
+
+        def linear(x):
+            return FP8["avx512_bf16"](x, data, scale, None, list(block), False, 224.0, torch.float32)
+
+    eye = torch.eye(k)
+    for m in sorted({1, 4, 5, 6, fold - 1, fold, fold + 1, 2 * fold, 2 * fold + 1}):
+        before = torch.tensor(kernels.decode_counts())
+        y = torch.cat([linear(eye[k0 : k0 + m]) for k0 in range(0, k - m + 1, m)])
+        calls = k // m
+        grown = (torch.tensor(kernels.decode_counts()) - before).tolist()
+        assert grown == ([calls, 0] if m < fold else [0, calls]), f"M={m}: {grown} (fold from {fold})"
+        torch.testing.assert_close(y, w.t()[: calls * m], rtol=0, atol=0, msg=lambda e: f"{fmt} M={m}: {e}")
 
 
 @impls
