@@ -509,6 +509,37 @@ def test_decode_kernels_and_boundary_per_level(level):
         assert 1 <= fast.decode_max_m(kernels, fmt, 1 << 20) <= fast.DECODE_MAX_M[isa][fmt]
 
 
+@pytest.mark.skipif(not HAS_COMPILER, reason="needs the compiled kernels")
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_the_ops_switch_to_prefill_just_above_decode_max_m(level, fmt):
+    """At M = decode_max_m the op runs the decode path (on AVX-512 BF16: the folded tiles), at
+    M + 1 the prefill tiles, and both give the linear within its bound."""
+    kernels = _backend.cpu_kernels(level)
+    assert kernels is not None, f"{level} did not load"
+    n, k = 21, 96
+    limit = fast.decode_max_m(kernels, fmt, k)
+    torch.manual_seed(limit)
+    if fmt == "fp8":
+        d, s = formats.quantize_fp8(torch.randn(n, k))
+        w = formats.dequantize_fp8(d, s, (32, 32), torch.float32)
+        linear = lambda x: FP8[level](x, d, s, None, [32, 32], True, 224.0, torch.float32)  # noqa: E731
+    else:
+        p, s = formats.quantize_fp4(torch.randn(n, k))
+        w = formats.dequantize_fp4(p, s, k, torch.float32)
+        linear = lambda x: FP4[level](x, p, s, None, True, 224.0, torch.float32)  # noqa: E731
+    for m, on_decode in ((limit, True), (limit + 1, False)):
+        x = torch.randn(m, k)
+        prefill_before, decode_before = prefill_counts(level), torch.tensor(kernels.decode_counts())
+        y = linear(x)
+        prefill_grown = int((prefill_counts(level) - prefill_before).sum())
+        decode_grown = (torch.tensor(kernels.decode_counts()) - decode_before).tolist()
+        assert (prefill_grown == 0) == on_decode, f"M={m} (limit {limit}): {prefill_grown} prefill tasks"
+        if kernels.decode_isa() == "avx512_bf16":
+            assert decode_grown == ([0, 1] if on_decode else [0, 0]), f"M={m} (limit {limit}): {decode_grown}"
+        assert_linear_close(y, operand(x, True), w, msg=f"{level} {fmt} M={m}")
+
+
 # Row counts that give each tile shape of the decode kernels (the AVX2 ones: NT = 4 x MT = 1-3
 # up to M = 3, then NT = 1 x MT = 4-8 in near-equal row tiles; the AVX-512 BF16 ones: NT = 4 x
 # MT = 1-5, two such tiles at M = 6, the folded tiles from M = 7) and a few splits into several tiles.
@@ -639,7 +670,7 @@ def test_tiny_activations(impl, m, exponent, path):
 
 
 @impls
-@pytest.mark.parametrize("m", [1, 2, 4, 5, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 6, 7, 8, 16])
 @pytest.mark.parametrize("low", [True, False], ids=["codes 0-3", "codes 250-253"])
 def test_fp4_extreme_scale_codes(impl, m, low, path):
     """e8m0 codes at both ends: below 2 a scale folded into bf16 weights is no longer a normal
@@ -660,11 +691,11 @@ def test_fp4_extreme_scale_codes(impl, m, low, path):
 
 
 @impls
-@pytest.mark.parametrize("m", [4, 5, 6, 9, 16, 28, 33])
+@pytest.mark.parametrize("m", [4, 6, 7, 8, 9, 16, 28, 33])
 @pytest.mark.parametrize("block", [(1, 32), (32, 32)])
 def test_fp8_small_scales_the_folded_tiles_must_refuse(impl, m, block, path):
-    """From 5 rows the bf16 kernels fold each 32-block's scale into the decoded bf16 weights (an
-    exponent add), a K-block of 8 weight rows at a time. That is exact only while w * s is a normal
+    """From 7 rows (``decode_fold_rows()``) the bf16 kernels fold each 32-block's scale into the
+    decoded bf16 weights (an exponent add), a K-block of 8 weight rows at a time. That is exact only while w * s is a normal
     bf16: codes below 10 would wrap the exponent into a huge or negative value. Blocks with such
     codes sit among ordinary ones, in the first and the last K-block and in a partial row group
     (N = 21), so a kernel that folded them anyway, or that lost a row group it handed to the
