@@ -46,6 +46,7 @@ Usage::
     python -m benchmarks.ggml_side_by_side --quick          # one shape, a few M
     python -m benchmarks.ggml_side_by_side --isa native --shapes 4096x4096 --rows 1,4,16
     python -m benchmarks.ggml_side_by_side --crossover      # decode vs prefill path (DECODE_MAX_M)
+    python -m benchmarks.ggml_side_by_side --cliffs --reps 11  # time per row at every M, steps above 10%
 """
 
 from __future__ import annotations
