@@ -30,6 +30,25 @@ def test_clamped_swiglu_clamps_gate_above_only_and_up_both_ways():
     assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (got, want)
 
 
+def test_clamped_swiglu_in_place_path_equals_the_autograd_path_and_leaves_inputs_alone():
+    # Without autograd the function works in place on its own float32 copies; with it,
+    # out of place. Both must give the same bits, NaN/inf/saturated entries included,
+    # and a float32 input (which .to(float32) does not copy) must not be written to.
+    gen = torch.Generator().manual_seed(3)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 7.0, -200.0, 0.0, -0.0, 1e-40])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        gate = torch.cat([specials, 30 * torch.randn(1000, generator=gen)]).to(dtype)
+        up = torch.cat([specials.flip(0), 10 * torch.randn(1000, generator=gen)]).to(dtype)
+        gate_before, up_before = gate.clone(), up.clone()
+        fast = clamped_swiglu(gate, up, 1.702, 7.0)
+        assert torch.equal(gate.view(torch.uint8), gate_before.view(torch.uint8))
+        assert torch.equal(up.view(torch.uint8), up_before.view(torch.uint8))
+        with torch.enable_grad():
+            slow = clamped_swiglu(gate.float().requires_grad_(), up.float(), 1.702, 7.0)
+        assert slow.requires_grad
+        assert torch.equal(fast.view(torch.int16), slow.detach().view(torch.int16)), dtype
+
+
 def test_gemma_rms_norm_uses_one_plus_w_and_eps():
     x = torch.tensor([[3.0, 4.0], [0.0, 0.0]])
     w = torch.tensor([0.0, 1.0], dtype=torch.bfloat16)

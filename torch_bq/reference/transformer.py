@@ -81,4 +81,11 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     """
     g = gate.to(torch.float32).clamp(max=limit)
     u = up.to(torch.float32).clamp(-limit, limit)
-    return (g * torch.sigmoid(alpha * g) * (u + 1.0)).to(torch.bfloat16)
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return (g * torch.sigmoid(alpha * g) * (u + 1.0)).to(torch.bfloat16)
+    # The same float32 operations in the same order, in place on the fresh g and u:
+    # each [rows, I] float32 temporary above glibc's mmap threshold is a fresh mapping
+    # whose pages fault in on first touch, which costs more than the arithmetic
+    # (docs/benchmarks.md, "Fresh allocations").
+    s = torch.sigmoid_(alpha * g)
+    return g.mul_(s).mul_(u.add_(1.0)).to(torch.bfloat16)
