@@ -289,3 +289,27 @@ def test_odd_argument_types_get_the_ops_own_errors():
             ops.fp8_linear(x, weight, scale, **kwargs)
         assert "fp8_linear_op" not in str(direct.value)
         assert str(direct.value) == str(through_op.value)
+
+
+def test_the_direct_path_calls_each_levels_entry_overload():
+    # The direct path calls the entry op's one overload through its C++ callable (no
+    # OpOverloadPacket frame, no overload lookup): the same op of the same level, the same bits.
+    torch.manual_seed(0)
+    w = torch.randn(40, 96)
+    w8, s8 = formats.quantize_fp8(w)
+    w4, s4 = formats.quantize_fp4(w)
+    x = torch.randn(1, 96, dtype=torch.bfloat16)
+    seen = set()
+    for level in LEVELS:
+        kernels = kernels_at(level)
+        fp8_op, fp4_op = fast.entry_ops(kernels)
+        assert fp8_op is kernels.fp8_linear_op.default._op and fp4_op is kernels.fp4_linear_op.default._op
+        assert fast.entry_ops(kernels) == (fp8_op, fp4_op)  # kept, not looked up again
+        seen.add(fp8_op)
+        m8 = fast.decode_max_m(kernels, "fp8", 96)
+        m4 = fast.decode_max_m(kernels, "fp4", 96)
+        same_bits(fp8_op(x, w8, s8, None, [32, 32], True, 224.0, torch.bfloat16, m8, fast.PANEL_BYTES),
+                  kernels.fp8_linear_op(x, w8, s8, None, [32, 32], True, 224.0, torch.bfloat16, m8, fast.PANEL_BYTES))
+        same_bits(fp4_op(x, w4, s4, None, True, 224.0, torch.bfloat16, m4, fast.PANEL_BYTES),
+                  kernels.fp4_linear_op(x, w4, s4, None, True, 224.0, torch.bfloat16, m4, fast.PANEL_BYTES))
+    assert len(seen) == len(LEVELS)

@@ -1267,7 +1267,15 @@ bool linear(const WeightView& w, const float* A, int64_t M, int64_t N, float* ou
   // of 4 KiB, the rows of a K-block would all fall into the same L1 sets.
   // The buffer starts on a cache line, so no 64-byte load of A straddles two.
   const int64_t a_stride = kp + 32;
-  std::vector<uint16_t> a_buffer(M * a_stride + 32);
+  // Kept per thread up to kKeptWords (256 KiB), so that a small call does not
+  // pay a heap allocation and a zero fill of its own; allocated per call above
+  // that. Nothing reads the rows' padding (or the words before `a`).
+  constexpr int64_t kKeptWords = int64_t(1) << 17;
+  const int64_t words = M * a_stride + 32;
+  thread_local std::vector<uint16_t> kept;
+  std::vector<uint16_t> own;
+  std::vector<uint16_t>& a_buffer = words <= kKeptWords ? kept : own;
+  if (static_cast<int64_t>(a_buffer.size()) < words) a_buffer.resize(words);
   uint16_t* a = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(a_buffer.data()) + 63) & ~uintptr_t(63));
   int a_max_field = 0;
   const int a_min_field = prepare_activation<D>(A, M, w.K, kp, a_stride, a, &a_max_field);
