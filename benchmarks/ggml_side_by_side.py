@@ -46,6 +46,7 @@ Usage::
     python -m benchmarks.ggml_side_by_side --quick          # one shape, a few M
     python -m benchmarks.ggml_side_by_side --isa native --shapes 4096x4096 --rows 1,4,16
     python -m benchmarks.ggml_side_by_side --crossover      # decode vs prefill path (DECODE_MAX_M)
+    python -m benchmarks.ggml_side_by_side --cliffs --reps 11  # time per row at every M, steps above 10%
 """
 
 from __future__ import annotations
@@ -579,6 +580,66 @@ def crossover(shapes, rows, reps: int) -> None:
     print(f"load average after: {load()}")
 
 
+def cliff_check(shapes, rows, reps: int) -> None:
+    """Time per row at every M of ``rows``, the public ops and the kernel calls (decode/prefill
+    boundary as selected), with all row counts of a shape in the same shuffled rounds, so that a
+    change of load during the run moves M and M + 1 alike; then each step M -> M + 1 whose time
+    per row rises by more than 10% (the issue's "no cliffs"). Without ``rows``: M = 1-40 and, per
+    format, the decode limit and the two row counts above it."""
+    import torch
+
+    from torch_bq import formats, ops
+    from torch_bq.ops import _backend
+    from torch_bq.ops.cpu import linear as fast
+
+    torch.set_num_threads(1)
+    kernels = _backend.cpu_kernels()
+    if kernels is None:
+        raise RuntimeError("torch_bq's compiled CPU kernels are unavailable")
+    print(f"CPU: {cpu_model()}; torch_bq {kernels.isa()} library, {kernels.decode_isa()} decode; "
+          f"{reps} rounds, medians; load average {load()}", flush=True)
+    timer = Timer(reps)
+    flagged = []
+    for n, k in shapes:
+        torch.manual_seed(0)
+        w = torch.randn(n, k, dtype=torch.bfloat16)
+        d8, s8 = formats.quantize_fp8(w)
+        p4, s4 = formats.quantize_fp4(w)
+        d8b, s8b = formats.as_fp8_bytes(d8), formats.as_e8m0_codes(s8)
+        p4b, s4b = formats.as_fp4_bytes(p4), formats.as_e8m0_codes(s4)
+        del w
+        max8, max4 = fast.decode_max_m(kernels, "fp8", k), fast.decode_max_m(kernels, "fp4", k)
+        ms = rows or sorted(set(range(1, 41)) | {max8, max8 + 1, max8 + 2, max4, max4 + 1, max4 + 2})
+        fns = {}
+        for m in ms:
+            x = torch.randn(m, k, dtype=torch.bfloat16)
+            a = kernels.qdq_fp8(x, 224.0, True)
+            fns[("fp8", m)] = lambda x=x: ops.fp8_linear(x, d8, s8)
+            fns[("fp8-kernel", m)] = lambda a=a: kernels.fp8_linear(a, d8b, s8b, None, 32, 32, max8, fast.PANEL_BYTES)
+            fns[("fp4", m)] = lambda x=x: ops.fp4_linear(x, p4, s4)
+            fns[("fp4-kernel", m)] = lambda a=a: kernels.fp4_linear(a, p4b, s4b, None, max4, fast.PANEL_BYTES)
+        t = timer(fns)
+        cols = ("fp8", "fp8-kernel", "fp4", "fp4-kernel")
+        print(f"\n{n} x {k} (decode up to M = {max8} fp8, {max4} fp4): microseconds per row, and the rise "
+              "over the row count before\n")
+        print("| M | " + " | ".join(cols) + " | " + " | ".join(f"{c} rise" for c in cols) + " |")
+        print("|---:|" + "---:|" * (2 * len(cols)))
+        for i, m in enumerate(ms):
+            per_row = [t[(c, m)] / m * 1e6 for c in cols]
+            rises = []
+            for c in cols:
+                if i and ms[i - 1] == m - 1:
+                    rise = (t[(c, m)] / m) / (t[(c, m - 1)] / (m - 1))
+                    rises.append(f"{rise:.2f}" + (" !" if rise > 1.10 else ""))
+                    if rise > 1.10:
+                        flagged.append(f"{n}x{k} {c}: M={m - 1}->{m} x{rise:.2f}")
+                else:
+                    rises.append("")
+            print(f"| {m} | " + " | ".join(f"{v:.1f}" for v in per_row) + " | " + " | ".join(rises) + " |", flush=True)
+    print(f"\ncliffs (time per row up > 10% from M to M + 1): {'; '.join(flagged) or 'none'}")
+    print(f"load average after: {load()}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--isa", choices=["both", "native", "avx2"], default="both")
@@ -593,12 +654,18 @@ def main() -> None:
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--crossover", action="store_true",
                         help=f"time the decode path against the prefill path instead (no ggml; M default {CROSSOVER_ROWS})")
+    parser.add_argument("--cliffs", action="store_true",
+                        help="time per row at every M (ops and kernel calls, no ggml), all M of a shape interleaved; "
+                             "M default 1-40 and each format's decode limit + 0, 1, 2")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else (
         SHAPES[:1] if args.quick else SHAPES)
     if args.crossover:
         crossover(shapes, [int(v) for v in args.rows.split(",")] if args.rows else CROSSOVER_ROWS, args.reps)
+        return
+    if args.cliffs:
+        cliff_check(shapes, [int(v) for v in args.rows.split(",")] if args.rows else None, args.reps)
         return
     rows = [int(v) for v in args.rows.split(",")] if args.rows else (QUICK_ROWS if args.quick else ROWS)
     if os.environ.get("OMP_NUM_THREADS") != "1":

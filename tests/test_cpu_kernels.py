@@ -565,9 +565,41 @@ def test_decode_kernels_and_boundary_per_level(level):
         assert 1 <= fast.decode_max_m(kernels, fmt, 1 << 20) <= fast.DECODE_MAX_M[isa][fmt]
 
 
-# Row counts that give each tile shape of the decode kernels (NT = 4 x MT = 1-3 up to M = 3,
-# then NT = 1 x MT = 4-8 in near-equal row tiles) and a few splits into several tiles.
-ONE_HOT_ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 13, 16]
+@pytest.mark.skipif(not HAS_COMPILER, reason="needs the compiled kernels")
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_the_ops_switch_to_prefill_just_above_decode_max_m(level, fmt):
+    """At M = decode_max_m the op runs the decode path (on AVX-512 BF16: the folded tiles), at
+    M + 1 the prefill tiles, and both give the linear within its bound."""
+    kernels = _backend.cpu_kernels(level)
+    assert kernels is not None, f"{level} did not load"
+    n, k = 21, 96
+    limit = fast.decode_max_m(kernels, fmt, k)
+    torch.manual_seed(limit)
+    if fmt == "fp8":
+        d, s = formats.quantize_fp8(torch.randn(n, k))
+        w = formats.dequantize_fp8(d, s, (32, 32), torch.float32)
+        linear = lambda x: FP8[level](x, d, s, None, [32, 32], True, 224.0, torch.float32)  # noqa: E731
+    else:
+        p, s = formats.quantize_fp4(torch.randn(n, k))
+        w = formats.dequantize_fp4(p, s, k, torch.float32)
+        linear = lambda x: FP4[level](x, p, s, None, True, 224.0, torch.float32)  # noqa: E731
+    for m, on_decode in ((limit, True), (limit + 1, False)):
+        x = torch.randn(m, k)
+        prefill_before, decode_before = prefill_counts(level), torch.tensor(kernels.decode_counts())
+        y = linear(x)
+        prefill_grown = int((prefill_counts(level) - prefill_before).sum())
+        decode_grown = (torch.tensor(kernels.decode_counts()) - decode_before).tolist()
+        assert (prefill_grown == 0) == on_decode, f"M={m} (limit {limit}): {prefill_grown} prefill tasks"
+        if kernels.decode_isa() == "avx512_bf16":
+            assert decode_grown == ([0, 1] if on_decode else [0, 0]), f"M={m} (limit {limit}): {decode_grown}"
+        assert_linear_close(y, operand(x, True), w, msg=f"{level} {fmt} M={m}")
+
+
+# Row counts that give each tile shape of the decode kernels (the AVX2 ones: NT = 4 x MT = 1-3
+# up to M = 3, then NT = 1 x MT = 4-8 in near-equal row tiles; the AVX-512 BF16 ones: NT = 4 x
+# MT = 1-5, two such tiles at M = 6, the folded tiles from M = 7) and a few splits into several tiles.
+ONE_HOT_ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16]
 
 
 def one_hot_products(linear, k, dtype=torch.float32):
@@ -578,6 +610,49 @@ def one_hot_products(linear, k, dtype=torch.float32):
     eye = torch.eye(k, dtype=dtype)
     for m in ONE_HOT_ROWS:
         yield m, torch.cat([linear(eye[k0 : k0 + m]) for k0 in range(0, k, m)])
+
+
+@pytest.mark.skipif("avx512_bf16" not in LEVELS, reason="this CPU has no AVX-512 BF16")
+@pytest.mark.parametrize("fmt", ["fp8 32x32", "fp8 1x32", "fp4"])
+def test_bf16_decode_tiles_around_the_fold_switch(fmt):
+    """The AVX-512 BF16 decode runs its per-lane-scale tiles (up to 5 rows in one tile over 4
+    weight rows, 6 as two tiles) below ``decode_fold_rows()`` rows and its folded K-block tiles
+    from there. At each row count around those switches the call takes the tiles it should
+    (``decode_counts``) and, with one-hot activations, gives every weight element exactly:
+    a row tile that read or wrote the wrong row of A or of the output, or a remainder row it
+    lost, fails here. N = 21: a partial 8-row group and a 4-row tile plus single rows; K = 600:
+    a partial last K-block and a partial last 32-block."""
+    kernels = _backend.cpu_kernels("avx512_bf16")
+    assert kernels is not None, "the avx512_bf16 CPU kernels did not build or load"
+    fold8, fold4 = kernels.decode_fold_rows()
+    fold = fold4 if fmt == "fp4" else fold8
+    n, k = 21, 600
+    torch.manual_seed(len(fmt))
+    codes = torch.randint(120, 135, (n, -(-k // 32)), dtype=torch.uint8)  # the folded range for A = 1
+    if fmt == "fp4":
+        packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+        w = formats.dequantize_fp4(packed, codes, k, torch.float32)
+
+        def linear(x):
+            return FP4["avx512_bf16"](x, packed, codes, None, False, 448.0, torch.float32)
+    else:
+        block = (32, 32) if fmt == "fp8 32x32" else (1, 32)
+        data = torch.randint(0, 256, (n, k), dtype=torch.uint8)
+        data[(data & 0x7F) == 0x7F] = 0x3E  # no NaN bytes
+        scale = codes[:: block[0]].contiguous()
+        w = formats.dequantize_fp8(data, scale, block, torch.float32)
+
+        def linear(x):
+            return FP8["avx512_bf16"](x, data, scale, None, list(block), False, 224.0, torch.float32)
+
+    eye = torch.eye(k)
+    for m in sorted({1, 4, 5, 6, fold - 1, fold, fold + 1, 2 * fold, 2 * fold + 1}):
+        before = torch.tensor(kernels.decode_counts())
+        y = torch.cat([linear(eye[k0 : k0 + m]) for k0 in range(0, k - m + 1, m)])
+        calls = k // m
+        grown = (torch.tensor(kernels.decode_counts()) - before).tolist()
+        assert grown == ([calls, 0] if m < fold else [0, calls]), f"M={m}: {grown} (fold from {fold})"
+        torch.testing.assert_close(y, w.t()[: calls * m], rtol=0, atol=0, msg=lambda e: f"{fmt} M={m}: {e}")
 
 
 @impls
@@ -651,7 +726,7 @@ def test_tiny_activations(impl, m, exponent, path):
 
 
 @impls
-@pytest.mark.parametrize("m", [1, 2, 4, 5, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 6, 7, 8, 16])
 @pytest.mark.parametrize("low", [True, False], ids=["codes 0-3", "codes 250-253"])
 def test_fp4_extreme_scale_codes(impl, m, low, path):
     """e8m0 codes at both ends: below 2 a scale folded into bf16 weights is no longer a normal
@@ -672,11 +747,11 @@ def test_fp4_extreme_scale_codes(impl, m, low, path):
 
 
 @impls
-@pytest.mark.parametrize("m", [4, 5, 6, 9, 16, 28, 33])
+@pytest.mark.parametrize("m", [4, 6, 7, 8, 9, 16, 28, 33])
 @pytest.mark.parametrize("block", [(1, 32), (32, 32)])
 def test_fp8_small_scales_the_folded_tiles_must_refuse(impl, m, block, path):
-    """From 5 rows the bf16 kernels fold each 32-block's scale into the decoded bf16 weights (an
-    exponent add), a K-block of 8 weight rows at a time. That is exact only while w * s is a normal
+    """From 7 rows (``decode_fold_rows()``) the bf16 kernels fold each 32-block's scale into the
+    decoded bf16 weights (an exponent add), a K-block of 8 weight rows at a time. That is exact only while w * s is a normal
     bf16: codes below 10 would wrap the exponent into a huge or negative value. Blocks with such
     codes sit among ordinary ones, in the first and the last K-block and in a partial row group
     (N = 21), so a kernel that folded them anyway, or that lost a row group it handed to the

@@ -711,6 +711,11 @@ void run_tasks(int64_t count, const Task& task) {
                            &task);
 }
 
+// Decode-path calls of the AVX-512 BF16 kernels since load: [per-lane-scale
+// tiles only, folded tiles] (tests read them through the decode_counts op to
+// see which tiles a row count took; zero in builds without those kernels).
+std::atomic<int64_t> dot_decode_calls[2];
+
 #if defined(TORCH_BQ_AVX512_BF16)  // vdpbf16ps, vpermi2b, AVX-512 BW
 #define TORCH_BQ_DOT_BF16 1
 // --------------------------------------------------------------------------
@@ -744,9 +749,11 @@ void run_tasks(int64_t count, const Task& task) {
 //     s16 = e8m0 scales of the span (per row)
 //     for group g: w0, w1 = decode(W[n, g]); for m: t = dot(w0, A0) + dot(w1, A1)
 //                  acc[m][n] += t * s16[lanes of g]
-// Tiles: few rows (fp8 up to 3, fp4 up to 4), NT = 4 weight rows x MT = 1-4
-// rows with the per-lane scales above; from there the folded K-block tiles
-// (section "From Fold<D>::kMinRows rows" below), for every e8m0 block height.
+// Tiles: below Fold<D>::kMinRows rows (fp8 7, fp4 8), NT = 4 weight rows x
+// MT = 1-5 rows with the per-lane scales above (M = 6, 7: two row tiles over
+// the same 4 weight rows, the second reading them from L1); from there the
+// folded K-block tiles (section "From Fold<D>::kMinRows rows" below), for
+// every e8m0 block height.
 // Tiles prefetch the weight rows ahead (and their scales): short row streams
 // do not train the hardware prefetchers.
 namespace dotbf16 {
@@ -967,10 +974,16 @@ void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
     for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
+// The tallest per-lane-scale tile over 4 weight rows: 5 x 4 accumulators,
+// 4 scale registers, the decoded pair and the lane permute fit the 32 zmm
+// (M = 5 in one tile took 0.87-0.94x the time of two tiles of 3 and 2 rows,
+// which decode the weight twice; 1 thread, Zen 5).
+constexpr int kDirectMaxMT = 5;
+
 template <class D, int NT>
 void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
-  // Row tiles of near-equal height <= kMaxMT (NT = 1, 2) or <= 4 (NT = 4).
-  constexpr int kMaxMT = NT == 4 ? 4 : 8;
+  // Row tiles of near-equal height <= kMaxMT: 8 for NT = 1, 2; kDirectMaxMT for NT = 4.
+  constexpr int kMaxMT = NT == 4 ? kDirectMaxMT : 8;
   const int64_t tiles = (M + kMaxMT - 1) / kMaxMT;
   int64_t m0 = 0;
   for (int64_t t = 0; t < tiles; ++t) {
@@ -1017,9 +1030,11 @@ void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
 // K-block fall into the same L1 sets (32 rows, 12 ways). 1 thread, Zen 5:
 // 0.80-0.89x of the vdpbf16ps peak in the tile loop alone (L1 data, MT = 3-5).
 //
-// Below that the per-lane-scale tiles above run (NT = 4 weight rows x MT <= 4
-// rows in registers, one pass): there the decode, not the multiply, is the
-// cost, and the scratch round trip would add to it.
+// Below that the per-lane-scale tiles above run (NT = 4 weight rows x MT <=
+// kDirectMaxMT rows in registers; M = 6 as two tiles over the same 4 weight
+// rows, the second reading them from L1): there the decode, not the
+// multiply, is the cost, and the scratch round trip (decode, scale, store,
+// reload) costs more than decoding the 4 rows again.
 //
 // The weight rows of the next row group (and their scale rows) are prefetched
 // while this one is decoded: the row streams are short (K bytes each), too
@@ -1054,7 +1069,10 @@ struct Fold;
 template <>
 struct Fold<Fp8Dot> {
   static constexpr int kMinCode = 10, kMaxCode = 246, kQuantumCode = 17;
-  static constexpr int64_t kMinRows = 4;  // per-lane 4 x 4 tiles measured 1.15-1.25x slower per row at M = 4
+  // Where the folded tiles overtake the per-lane ones (kernel calls, 5 shapes,
+  // 1 thread, Zen 5, folded / per-lane time): M = 6 0.99-1.32 (median 1.06),
+  // M = 7 0.93-1.02 (0.94), M = 8 0.87-0.99.
+  static constexpr int64_t kMinRows = 7;
   template <bool kMasked>
   static void decode(const Fp8Dot& dec, const uint8_t* bytes, __mmask64 valid, __m512i e, uint16_t* dst) {
     const __m512i raw = kMasked ? _mm512_maskz_loadu_epi8(valid, bytes) : _mm512_loadu_si512(bytes);
@@ -1069,7 +1087,9 @@ struct Fold<Fp8Dot> {
 template <>
 struct Fold<Fp4Dot> {
   static constexpr int kMinCode = 2, kMaxCode = 252, kQuantumCode = 9;
-  static constexpr int64_t kMinRows = 5;  // at M = 4 the per-lane tiles were 1.1-1.2x faster
+  // As for fp8: M = 5 1.02-1.22 (median 1.10; the cliff when folding started
+  // there), M = 6 0.99-1.13 (1.02), M = 7 0.88-1.05 (0.97), M = 8 0.86-1.09.
+  static constexpr int64_t kMinRows = 7;
   // dec.lut holds the 16 e2m1 values twice: entries 0-15 get the first
   // block's exponent, 16-31 the second's (on the nonzero entries: 0 and 8 are
   // +-0); index bit 4 picks the block.
@@ -1265,6 +1285,7 @@ bool linear(const WeightView& w, const float* A, int64_t M, int64_t N, float* ou
                   out, N};
   constexpr int64_t kRowsPerTask = 16;  // a multiple of every NT and of kFoldRows
   if (M >= Fold<D>::kMinRows) {
+    dot_decode_calls[1].fetch_add(1, std::memory_order_relaxed);
     run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
       thread_local FoldBuffers buf;
       const int64_t n_end = std::min(N, (t + 1) * kRowsPerTask);
@@ -1276,6 +1297,7 @@ bool linear(const WeightView& w, const float* A, int64_t M, int64_t N, float* ou
     });
     return true;
   }
+  dot_decode_calls[0].fetch_add(1, std::memory_order_relaxed);
   run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
     const int64_t n_end = std::min(N, (t + 1) * kRowsPerTask);
     int64_t n = t * kRowsPerTask;
@@ -2744,6 +2766,18 @@ std::vector<int64_t> prefill_counts() {
   return {prefill_tiles[0].load(), prefill_tiles[1].load(), prefill_tiles[2].load()};
 }
 
+std::vector<int64_t> decode_counts() { return {dot_decode_calls[0].load(), dot_decode_calls[1].load()}; }
+
+// The fewest rows the AVX-512 BF16 decode runs on its folded tiles, [fp8, fp4]
+// (empty in builds without those kernels): the one place tests read them from.
+std::vector<int64_t> decode_fold_rows() {
+#if defined(TORCH_BQ_DOT_BF16)
+  return {dotbf16::Fold<dotbf16::Fp8Dot>::kMinRows, dotbf16::Fold<dotbf16::Fp4Dot>::kMinRows};
+#else
+  return {};
+#endif
+}
+
 // W rows per prefill task (the generic build: the fewest rows of an at::mm panel).
 int64_t prefill_task_rows() {
 #if defined(TORCH_BQ_AVX512_BF16)
@@ -2815,6 +2849,8 @@ TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
         &torch_bq_cpu::dense_linear_op);
   m.def("vectorized() -> bool", &torch_bq_cpu::vectorized);
   m.def("prefill_counts() -> int[]", &torch_bq_cpu::prefill_counts);
+  m.def("decode_counts() -> int[]", &torch_bq_cpu::decode_counts);
+  m.def("decode_fold_rows() -> int[]", &torch_bq_cpu::decode_fold_rows);
   m.def("prefill_task_rows() -> int", &torch_bq_cpu::prefill_task_rows);
   m.def("decode_isa() -> str", &torch_bq_cpu::decode_isa);
 }

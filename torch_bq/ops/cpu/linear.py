@@ -51,15 +51,22 @@ __all__ = [
 # time per row); ``python -m benchmarks.ggml_side_by_side --crossover`` measures
 # it (docs/benchmarks.md). "long_k" (K, M): above this K, M at most this.
 # AVX-512 BF16 (Zen 5, 2026-12-01): the folded decode tiles decode the weight
-# once for all rows; against main's bf16 brgemm prefill tiles decode stayed
-# ahead up to M = 128 at K = 2880 and 4096 and to 96 at K = 14336, against the
-# gemm branch's vdpbf16ps prefill tiles (merged for the measurement) fp8 to
-# 96-128 and fp4 to 48-64: the limits hold for both.
+# once for all rows, so their time per row is flat from M = 40 to 128; the
+# vdpbf16ps prefill tiles' falls with M but steps up after each multiple of
+# their 64-row A slices (M = 65 costs 1.2-1.3x per row what M = 64 does).
+# The limit sits where decode(M) and prefill(M + 1) cost the same per row, so
+# that stepping over it is no cliff. Measured with the prefill tiles that
+# decode the next panel inside the current chunk's register tiles,
+# prefill(M + 1) / decode(M) per row on the five benchmark shapes: fp8 1.15-1.22
+# at M = 64, 0.92-1.05 at 80, 0.88-0.99 at 88; fp4 1.15-1.25, 1.00-1.11,
+# 0.92-1.05 (decode is then up to 1.16x the prefill's time per row: the price
+# of a flat step). Against the slower prefill tiles before those, the same
+# rule gave fp8 112, fp4 96 (docs/benchmarks.md, "Cliffs").
 # AVX2 (against fp32 panels): the panels win from M = 9 at K = 33024, where the
 # AVX2 tiles' activation rows no longer sit in L2 beside the weight row.
 # Re-measure when either path changes.
 DECODE_MAX_M = {
-    "avx512_bf16": {"fp8": 96, "fp4": 64, "long_k": None},
+    "avx512_bf16": {"fp8": 88, "fp4": 88, "long_k": None},
     "avx2": {"fp8": 16, "fp4": 16, "long_k": (16384, 8)},
     "generic": {"fp8": 16, "fp4": 16, "long_k": None},
 }
