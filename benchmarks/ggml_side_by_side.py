@@ -536,33 +536,51 @@ def report(runs: list[dict]) -> None:
 CROSSOVER_ROWS = [16, 24, 32, 48, 64, 96, 128]
 
 
-def crossover(shapes, rows, reps: int) -> None:
-    """Decode path forced vs prefill path forced, kernel calls at the selected ISA level: the
-    measurements behind ``torch_bq.ops.cpu.linear.DECODE_MAX_M`` (the decode path should run up to
-    the largest M where it is not slower per row)."""
+def one_thread_kernels(header: str):
+    """torch_bq's compiled CPU kernels on one thread (refusing to time the reference), after
+    printing the CPU, the kernels' level, ``header`` and the load average."""
     import torch
 
-    from torch_bq import formats
     from torch_bq.ops import _backend
-    from torch_bq.ops.cpu import linear as fast
 
     torch.set_num_threads(1)
     kernels = _backend.cpu_kernels()
     if kernels is None:
         raise RuntimeError("torch_bq's compiled CPU kernels are unavailable")
     print(f"CPU: {cpu_model()}; torch_bq {kernels.isa()} library, {kernels.decode_isa()} decode; "
-          f"load average {load()}", flush=True)
+          f"{header} {load()}", flush=True)
+    return kernels
+
+
+def quantized_weights(n: int, k: int):
+    """A seeded random ``[n, k]`` weight as ``(fp8, e8m0 scale, fp4, e8m0 scale)``, the op's
+    tensors followed by the same four as the kernels' raw byte views."""
+    import torch
+
+    from torch_bq import formats
+
+    torch.manual_seed(0)
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    d8, s8 = formats.quantize_fp8(w)
+    p4, s4 = formats.quantize_fp4(w)
+    raw = formats.as_fp8_bytes(d8), formats.as_e8m0_codes(s8), formats.as_fp4_bytes(p4), formats.as_e8m0_codes(s4)
+    return (d8, s8, p4, s4), raw
+
+
+def crossover(shapes, rows, reps: int) -> None:
+    """Decode path forced vs prefill path forced, kernel calls at the selected ISA level: the
+    measurements behind ``torch_bq.ops.cpu.linear.DECODE_MAX_M`` (the decode path should run up to
+    the largest M where it is not slower per row)."""
+    import torch
+
+    from torch_bq.ops.cpu import linear as fast
+
+    kernels = one_thread_kernels("load average")
     timer = Timer(reps)
     print("| shape | M | fp8 decode | fp8 prefill | fp4 decode | fp4 prefill |  (kernel call, ms per row)")
     print("|---|---:|---:|---:|---:|---:|")
     for n, k in shapes:
-        torch.manual_seed(0)
-        w = torch.randn(n, k, dtype=torch.bfloat16)
-        d8, s8 = formats.quantize_fp8(w)
-        p4, s4 = formats.quantize_fp4(w)
-        d8b, s8b = formats.as_fp8_bytes(d8), formats.as_e8m0_codes(s8)
-        p4b, s4b = formats.as_fp4_bytes(p4), formats.as_e8m0_codes(s4)
-        del w
+        _, (d8b, s8b, p4b, s4b) = quantized_weights(n, k)
         last = {"fp8": 0, "fp4": 0}
         for m in rows:
             a = kernels.qdq_fp8(torch.randn(m, k, dtype=torch.bfloat16), 224.0, True)
@@ -588,26 +606,14 @@ def cliff_check(shapes, rows, reps: int) -> None:
     format, the decode limit and the two row counts above it."""
     import torch
 
-    from torch_bq import formats, ops
-    from torch_bq.ops import _backend
+    from torch_bq import ops
     from torch_bq.ops.cpu import linear as fast
 
-    torch.set_num_threads(1)
-    kernels = _backend.cpu_kernels()
-    if kernels is None:
-        raise RuntimeError("torch_bq's compiled CPU kernels are unavailable")
-    print(f"CPU: {cpu_model()}; torch_bq {kernels.isa()} library, {kernels.decode_isa()} decode; "
-          f"{reps} rounds, medians; load average {load()}", flush=True)
+    kernels = one_thread_kernels(f"{reps} rounds, medians; load average")
     timer = Timer(reps)
     flagged = []
     for n, k in shapes:
-        torch.manual_seed(0)
-        w = torch.randn(n, k, dtype=torch.bfloat16)
-        d8, s8 = formats.quantize_fp8(w)
-        p4, s4 = formats.quantize_fp4(w)
-        d8b, s8b = formats.as_fp8_bytes(d8), formats.as_e8m0_codes(s8)
-        p4b, s4b = formats.as_fp4_bytes(p4), formats.as_e8m0_codes(s4)
-        del w
+        (d8, s8, p4, s4), (d8b, s8b, p4b, s4b) = quantized_weights(n, k)
         max8, max4 = fast.decode_max_m(kernels, "fp8", k), fast.decode_max_m(kernels, "fp4", k)
         ms = rows or sorted(set(range(1, 41)) | {max8, max8 + 1, max8 + 2, max4, max4 + 1, max4 + 2})
         fns = {}
