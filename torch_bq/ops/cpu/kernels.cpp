@@ -130,6 +130,17 @@ inline uint16_t bf16_rne(float f) {
   return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 
+#if defined(TORCH_BQ_AVX512)
+// bf16_rne on 16 lanes (vcvtneps2bf16 would flush subnormals, which torch keeps).
+inline __m256i bf16_rne16(__m512 x) {
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
 // Exact decode tables (docs/contract.md §1).
 struct Tables {
   float e8m0[256];
@@ -749,8 +760,8 @@ std::atomic<int64_t> dot_decode_calls[2];
 //     s16 = e8m0 scales of the span (per row)
 //     for group g: w0, w1 = decode(W[n, g]); for m: t = dot(w0, A0) + dot(w1, A1)
 //                  acc[m][n] += t * s16[lanes of g]
-// Tiles: below Fold<D>::kMinRows rows (fp8 7, fp4 8), NT = 4 weight rows x
-// MT = 1-5 rows with the per-lane scales above (M = 6, 7: two row tiles over
+// Tiles: below Fold<D>::kMinRows rows (7 for both formats), NT = 4 weight rows x
+// MT = 1-5 rows with the per-lane scales above (M = 6: two row tiles over
 // the same 4 weight rows, the second reading them from L1); from there the
 // folded K-block tiles (section "From Fold<D>::kMinRows rows" below), for
 // every e8m0 block height.
@@ -1970,16 +1981,8 @@ struct DenseRows {
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       return _mm512_loadu_si512(reinterpret_cast<const void*>(src));
     } else {
-      __m256i half[2];
-      for (int h = 0; h < 2; ++h) {
-        const __m512 x = _mm512_loadu_ps(src + 16 * h);
-        const __m512i b = _mm512_castps_si512(x);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-        half[h] = _mm512_cvtepi32_epi16(r);
-      }
-      return _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
+      return _mm512_inserti64x4(_mm512_castsi256_si512(bf16_rne16(_mm512_loadu_ps(src))),
+                                bf16_rne16(_mm512_loadu_ps(src + 16)), 1);
     }
   }
   // The running bound of a scan: the smallest exponent field among nonzero
@@ -2089,12 +2092,7 @@ struct FinalOutput {
   void put16(int64_t m, int64_t n, __m512 v) const {
     if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
     if (dtype == at::kBFloat16) {
-      // torch's rounding: nearest even on the bits, NaN -> 0x7FC0 (vcvtneps2bf16 would flush subnormals).
-      const __m512i b = _mm512_castps_si512(v);
-      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-      __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-      r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(data) + m * N + n), _mm512_cvtepi32_epi16(r));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(data) + m * N + n), bf16_rne16(v));
     } else if (dtype == at::kFloat) {
       _mm512_storeu_ps(static_cast<float*>(data) + m * N + n, v);
     } else {
