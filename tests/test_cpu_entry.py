@@ -10,6 +10,7 @@ without the torch_bq:: dispatcher only where nothing could tell the difference.
 
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -334,9 +335,20 @@ def test_odd_argument_types_get_the_ops_own_errors():
         assert str(direct.value) == str(through_op.value)
 
 
-def test_the_direct_path_calls_each_levels_entry_overload():
-    # The direct path calls the entry op's one overload through its C++ callable (no
-    # OpOverloadPacket frame, no overload lookup): the same op of the same level, the same bits.
+def python_headers() -> bool:
+    import sysconfig
+
+    include = sysconfig.get_path("include", scheme="posix_prefix")
+    return include is not None and (Path(include) / "Python.h").exists()
+
+
+@pytest.mark.skipif(not python_headers(), reason="the libraries are Python modules only when built with Python.h")
+def test_each_level_calls_its_entry_points_through_its_python_module():
+    # The entry points as the kernel library's Python module holds them (no torch.ops): the
+    # same C++ functions of the same level, the same bits, the same refusals; the direct
+    # ones also refuse while anything above the dispatcher watches.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
     torch.manual_seed(0)
     w = torch.randn(40, 96)
     w8, s8 = formats.quantize_fp8(w)
@@ -345,14 +357,35 @@ def test_the_direct_path_calls_each_levels_entry_overload():
     seen = set()
     for level in LEVELS:
         kernels = kernels_at(level)
+        module = _backend.entry_module(kernels)
+        assert module is not None and module.isa == level
         fp8_op, fp4_op = fast.entry_ops(kernels)
-        assert fp8_op is kernels.fp8_linear_op.default._op and fp4_op is kernels.fp4_linear_op.default._op
+        assert (fp8_op, fp4_op) == (module.fp8_linear_op, module.fp4_linear_op)
+        assert fast.direct_entries(kernels) == (module.fp8_linear_direct, module.fp4_linear_direct)
         assert fast.entry_ops(kernels) == (fp8_op, fp4_op)  # kept, not looked up again
-        seen.add(fp8_op)
+        seen.add(module)
         m8 = fast.decode_max_m(kernels, "fp8", 96)
         m4 = fast.decode_max_m(kernels, "fp4", 96)
-        same_bits(fp8_op(x, w8, s8, None, [32, 32], True, 224.0, torch.bfloat16, m8, fast.PANEL_BYTES),
-                  kernels.fp8_linear_op(x, w8, s8, None, [32, 32], True, 224.0, torch.bfloat16, m8, fast.PANEL_BYTES))
-        same_bits(fp4_op(x, w4, s4, None, True, 224.0, torch.bfloat16, m4, fast.PANEL_BYTES),
-                  kernels.fp4_linear_op(x, w4, s4, None, True, 224.0, torch.bfloat16, m4, fast.PANEL_BYTES))
+        args8 = (x, w8, s8, None, [32, 32], True, 224.0, torch.bfloat16, m8, fast.PANEL_BYTES)
+        args4 = (x, w4, s4, None, True, 224.0, torch.bfloat16, m4, fast.PANEL_BYTES)
+        expected8, expected4 = kernels.fp8_linear_op(*args8), kernels.fp4_linear_op(*args4)
+        for fn8, fn4 in ((fp8_op, fp4_op), fast.direct_entries(kernels)):
+            same_bits(fn8(*args8), expected8)
+            same_bits(fn4(*args4), expected4)
+            assert fn8(x.double(), *args8[1:]) is None and fn4(x.double(), *args4[1:]) is None
+            with Recorder():
+                assert fn8(*args8) is None and fn4(*args4) is None
+        direct8, direct4 = fast.direct_entries(kernels)
+        with torch.device("cpu"):  # a TorchFunctionMode
+            assert direct8(*args8) is None and direct4(*args4) is None
+            assert fp8_op(*args8) is not None  # the ops' own functions do not look
+        refused = []
+        torch.func.vmap(lambda xs: refused.append(direct8(xs, *args8[1:])) or xs)(x[None])
+        torch.func.functionalize(lambda xs: refused.append(direct4(xs, *args4[1:])) or xs)(x)
+        make_fx(lambda xs: refused.append(direct8(xs.clone(), *args8[1:])) or xs, tracing_mode="real")(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TorchScript's deprecation notice, the tracer's warnings
+            torch.jit.trace(lambda xs: refused.append(direct8(xs, *args8[1:])) or xs + 1, x, check_trace=False)
+        assert refused == [None] * 4, refused
+        assert direct8(*args8) is not None  # and taken again once they are off
     assert len(seen) == len(LEVELS)

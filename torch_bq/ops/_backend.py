@@ -380,8 +380,8 @@ def _jit_build(level: str) -> Path:
             raise TimeoutError(f"another process has been building the {level} kernels for over {timeout:.0f} s")
         build_dir.mkdir(parents=True, exist_ok=True)
         (build_dir / "lock").unlink(missing_ok=True)  # left by a killed build; we hold the only lock
-        # A plain shared library registering TORCH_LIBRARY ops: no pybind11
-        # module, so Python's development headers are not needed.
+        # A shared library registering TORCH_LIBRARY ops; with Python's headers
+        # (optional) it is an extension module as well (_import_entry_module).
         path = cpp_extension.load(
             name=name,
             sources=[str(CPU_KERNEL_SOURCE.parent / source) for source in isa.SOURCES],
@@ -396,6 +396,37 @@ def _jit_build(level: str) -> Path:
 
 # level -> (the loaded op namespace, where it came from), or the exception loading it raised
 _loaded: dict = {}
+# id(op namespace) -> that library's Python module (its entry points without torch.ops), or None
+_entry_modules: dict = {}
+
+
+def _import_entry_module(library: Path, level: str):
+    """The Python module of a loaded kernel library, or ``None`` where it has none.
+
+    kernels.cpp makes each library an extension module too when Python's headers
+    were there at build time, named as the build named the file (the stem before
+    the first dot). Importing it opens the same file again, so nothing registers twice.
+    """
+    import importlib.machinery
+
+    name = library.name.split(".")[0]
+    loader = importlib.machinery.ExtensionFileLoader(name, str(library))
+    spec = importlib.util.spec_from_file_location(name, library, loader=loader)
+    try:
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except ImportError:  # built without Python's headers: no module init in the file
+        return None
+    if getattr(module, "isa", None) != level:
+        raise RuntimeError(f"{library.name}'s Python module holds the {getattr(module, 'isa', None)} kernels, not {level}")
+    return module
+
+
+def entry_module(kernels):
+    """The Python module of the kernel library behind ``kernels`` (a ``torch.ops.torch_bq_cpu_<level>``
+    namespace), with the entry points ``fp8_linear_op`` / ``fp4_linear_op`` callable without
+    ``torch.ops``; ``None`` where the library was built without Python's headers."""
+    return _entry_modules.get(id(kernels))
 
 
 def _load_level(level: str):
@@ -412,6 +443,7 @@ def _load_level(level: str):
             built_for = ops.isa()
             if built_for != level:
                 raise RuntimeError(f"{library.name} holds the {built_for} kernels, not {level}")
+            _entry_modules[id(ops)] = _import_entry_module(library, level)
             _loaded[level] = (ops, source)
         except Exception as error:  # any failure to build or load means: not this level
             _loaded[level] = error
@@ -548,23 +580,17 @@ def fast_kernels_disabled(device_type: str = "cpu"):
 def direct_call_allowed(op, device_type: str) -> bool:
     """Whether an eager call of ``op`` (a ``CustomOpDef``) may run its ``device_type`` fast kernel directly.
 
-    A direct call skips the dispatcher, so it is allowed only where the dispatcher
-    would end up in that kernel anyway and nothing watches the op from above it:
-    no TorchFunctionMode, no TorchScript trace, no functorch transform, and the
-    kernel not switched off (:func:`fast_kernels_disabled`, ``set_kernel_enabled``:
-    read from torch.library's record of switched-off kernels,
-    ``CustomOpDef._disabled_kernel``; without that record, never allowed). Callers
-    check ``torch.compiler.is_compiling()`` first (so that dynamo never traces this),
-    and refuse tensor subclasses, TorchDispatchModes and autograd themselves.
+    Not where the kernel is switched off (:func:`fast_kernels_disabled`,
+    ``set_kernel_enabled``: read from torch.library's record of switched-off
+    kernels, ``CustomOpDef._disabled_kernel``; without that record, never
+    allowed). What else a direct call must not skip (TorchFunctionModes, TorchScript
+    traces, functorch transforms, dispatch modes, autograd, tensor subclasses) its
+    callers and the compiled entry points refuse themselves
+    (torch_bq/ops/cpu/linear.py, ``direct_fp8_linear``); callers check
+    ``torch.compiler.is_compiling()`` first, so that dynamo never traces one.
     """
     disabled = getattr(op, "_disabled_kernel", None)
-    return not (
-        disabled is None
-        or device_type in disabled
-        or torch._C._is_torch_function_mode_enabled()
-        or torch._C._get_tracing_state() is not None
-        or torch._C._are_functorch_transforms_active()
-    )
+    return disabled is not None and device_type not in disabled
 
 
 def backend_info() -> dict:

@@ -2852,3 +2852,104 @@ TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
   m.def("prefill_task_rows() -> int", &torch_bq_cpu::prefill_task_rows);
   m.def("decode_isa() -> str", &torch_bq_cpu::decode_isa);
 }
+
+// --------------------------------------------------------------------------
+// the entry points as a Python extension module
+// --------------------------------------------------------------------------
+//
+// From a cold cache a torch.ops call spends 80-100 us before the first line of the
+// function it reaches (argument parsing against the schema, the dispatcher) and
+// 15-25 us coming back: as much as the whole decode of a 2880 x 2880 MXFP4 weight.
+// This module holds the same two entry points, callable from Python directly:
+//
+// * fp8_linear_op / fp4_linear_op: the ops' functions as they are, for the CPU
+//   kernels of torch_bq::fp8_linear / fp4_linear (torch_bq/ops/cpu/linear.py),
+//   which run under the dispatcher already;
+// * fp8_linear_direct / fp4_linear_direct: the eager direct path, which skips
+//   torch_bq::'s dispatcher. They also refuse (None) while anything that records
+//   or transforms ops above the dispatcher is on: a TorchFunctionMode, a TorchScript
+//   trace, a functorch transform (vmap, grad, functionalize): each of them must see
+//   the public op. (torch.compile never gets here: the caller asks
+//   torch.compiler.is_compiling() first.)
+//
+// Both record themselves for the profiler under the ops' names. Built only when
+// Python's headers are there (a torch extension build passes their directory):
+// without them the library has the ops alone and the public ops go through the
+// dispatcher.
+#if defined(TORCH_EXTENSION_NAME) && defined(__has_include)
+#if __has_include(<Python.h>)
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/TracerMode.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace torch_bq_cpu {
+
+const char* const kFp8EntryName = TORCH_BQ_STR(TORCH_BQ_OPS) "::fp8_linear_op";
+const char* const kFp4EntryName = TORCH_BQ_STR(TORCH_BQ_OPS) "::fp4_linear_op";
+
+// What torch._C._is_torch_function_mode_enabled(), _get_tracing_state() and
+// _are_functorch_transforms_active() report, in one call.
+bool watched() {
+  const c10::DispatchKeySet included = c10::impl::tls_local_dispatch_key_set().included_;
+  return at::impl::torch_function_mode_enabled() || at::tracer::impl::is_dispatch_enabled() ||
+         included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) ||
+         included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode);
+}
+
+at::Tensor fp8_linear_entry(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                            const std::optional<at::Tensor>& bias, std::vector<int64_t> block, bool act_quant,
+                            double act_peak, at::ScalarType out_dtype, int64_t decode_max_m, int64_t panel_bytes) {
+  RECORD_FUNCTION(kFp8EntryName, std::vector<c10::IValue>());
+  return fp8_linear_op(x, weight, scale, bias, block, act_quant, act_peak, out_dtype, decode_max_m, panel_bytes);
+}
+
+at::Tensor fp4_linear_entry(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                            const std::optional<at::Tensor>& bias, bool act_quant, double act_peak,
+                            at::ScalarType out_dtype, int64_t decode_max_m, int64_t panel_bytes) {
+  RECORD_FUNCTION(kFp4EntryName, std::vector<c10::IValue>());
+  return fp4_linear_op(x, weight, scale, bias, act_quant, act_peak, out_dtype, decode_max_m, panel_bytes);
+}
+
+}  // namespace torch_bq_cpu
+
+// The module is named as the build names the library (TORCH_EXTENSION_NAME); the loader
+// (torch_bq/ops/_backend.py) imports it from the file it loaded. Same arguments as the ops;
+// an undefined result (a refused call) arrives as None. The GIL is released while the
+// kernels run, as torch.ops releases it (the watch is read before, with the GIL held:
+// the torch function mode state is the calling thread's).
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using torch_bq_cpu::watched;
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.attr("isa") = TORCH_BQ_STR(TORCH_BQ_ISA);
+  m.def("fp8_linear_op", &torch_bq_cpu::fp8_linear_entry, release());
+  m.def("fp4_linear_op", &torch_bq_cpu::fp4_linear_entry, release());
+  m.def("fp8_linear_direct",
+        [](const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+           const std::optional<at::Tensor>& bias, std::vector<int64_t> block, bool act_quant, double act_peak,
+           at::ScalarType out_dtype, int64_t decode_max_m, int64_t panel_bytes) -> pybind11::object {
+          if (watched()) return pybind11::none();
+          at::Tensor y;
+          {
+            pybind11::gil_scoped_release no_gil;
+            y = torch_bq_cpu::fp8_linear_entry(x, weight, scale, bias, std::move(block), act_quant, act_peak,
+                                               out_dtype, decode_max_m, panel_bytes);
+          }
+          return pybind11::cast(std::move(y));
+        });
+  m.def("fp4_linear_direct",
+        [](const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+           const std::optional<at::Tensor>& bias, bool act_quant, double act_peak, at::ScalarType out_dtype,
+           int64_t decode_max_m, int64_t panel_bytes) -> pybind11::object {
+          if (watched()) return pybind11::none();
+          at::Tensor y;
+          {
+            pybind11::gil_scoped_release no_gil;
+            y = torch_bq_cpu::fp4_linear_entry(x, weight, scale, bias, act_quant, act_peak, out_dtype, decode_max_m,
+                                               panel_bytes);
+          }
+          return pybind11::cast(std::move(y));
+        });
+}
+#endif
+#endif

@@ -41,7 +41,7 @@ from .. import linear as op_defs
 
 __all__ = [
     "DECODE_MAX_M", "NVFP4_DECODE_MAX_M", "PANEL_BYTES", "decode_max_m", "direct_fp8_linear", "direct_fp4_linear",
-    "entry_ops",
+    "direct_entries", "entry_ops",
     "fp8_linear", "fp4_linear", "nvfp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8",
 ]
 
@@ -109,43 +109,76 @@ def decode_max_m(kernels, fmt: str, k: int) -> int:
 # in C++, so that its bounds live only in torch_bq.formats.
 
 
-# id(kernels) -> (fp8_linear_op, fp4_linear_op), each the C++ callable of the op's one
-# overload (``OpOverload._op``). Calling that skips ``OpOverloadPacket.__call__`` (a Python
-# frame) and the overload lookup: about 10% of a cold M = 1 call on a small weight. It is
-# what the packet itself ends up calling (TorchFunctionModes included), so nothing else changes.
+# id(kernels) -> (fp8_linear_op, fp4_linear_op), the entry points as this module's kernels
+# call them: through the library's own Python module (kernels.cpp, its last section),
+# which skips torch.ops' argument parsing and the dispatcher (80-100 us of a cold M = 1
+# call), or where the library has none, each op's overload callable (``OpOverload._op``:
+# no OpOverloadPacket frame, no overload lookup).
 _entry_ops: dict = {}
+# id(kernels) -> (fp8_linear_direct, fp4_linear_direct) of the library's Python module, or None
+_direct_entries: dict = {}
+# id(kernels) -> {fmt: decode_max_m} where it does not depend on K (no ``long_k`` limit)
+_fixed_limits: dict = {}
 
 
 def entry_ops(kernels) -> tuple:
-    """``(fp8_linear_op, fp4_linear_op)`` of ``kernels`` as their overloads' C++ callables."""
+    """``(fp8_linear_op, fp4_linear_op)`` of ``kernels``, the callables the entry path uses."""
     found = _entry_ops.get(id(kernels))
     if found is None:
-        found = tuple(getattr(packet.default, "_op", packet)
-                      for packet in (kernels.fp8_linear_op, kernels.fp4_linear_op))
+        module = _backend.entry_module(kernels)
+        if module is not None:
+            found = (module.fp8_linear_op, module.fp4_linear_op)
+        else:
+            found = tuple(getattr(packet.default, "_op", packet)
+                          for packet in (kernels.fp8_linear_op, kernels.fp4_linear_op))
         _entry_ops[id(kernels)] = found
     return found
 
 
-def _fp8_entry(kernels, x, weight, scale, bias, block, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
-    if not formats.MIN_ACT_PEAK <= act_peak <= formats.FP8_MAX:
-        return None
+def direct_entries(kernels) -> Optional[tuple]:
+    """``(fp8_linear_direct, fp4_linear_direct)`` of ``kernels``' Python module, or ``None`` without one."""
+    key = id(kernels)
+    if key not in _direct_entries:
+        module = _backend.entry_module(kernels)
+        _direct_entries[key] = None if module is None else (module.fp8_linear_direct, module.fp4_linear_direct)
+    return _direct_entries[key]
+
+
+def _limit(kernels, fmt: str, x) -> int:
+    """``decode_max_m(kernels, fmt, K)`` of ``x [..., K]``, without reading K where the limit does
+    not depend on it (each attribute read of a tensor costs microseconds from a cold cache)."""
+    fixed = _fixed_limits.get(id(kernels))
+    if fixed is None:
+        decode_max_m(kernels, fmt, 1)  # fills _decode_isa
+        limits = DECODE_MAX_M.get(_decode_isa[id(kernels)], DECODE_MAX_M["generic"])
+        fixed = {} if limits["long_k"] is not None else {"fp8": limits["fp8"], "fp4": limits["fp4"]}
+        _fixed_limits[id(kernels)] = fixed
+    limit = fixed.get(fmt)
+    if limit is not None:
+        return limit
     try:
-        k = x.shape[-1]
-    except IndexError:  # 0-d x: the checks name it
+        return decode_max_m(kernels, fmt, x.shape[-1])
+    except IndexError:  # 0-d x: the entry point refuses it, and the checks name it
+        return 0
+
+
+def _peak_ok(act_peak) -> bool:
+    """The peak's range is checked here, not in C++, so that its bounds live only in torch_bq.formats."""
+    return formats.MIN_ACT_PEAK <= act_peak <= formats.FP8_MAX
+
+
+def _fp8_entry(kernels, x, weight, scale, bias, block, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
+    if not _peak_ok(act_peak):
         return None
     return entry_ops(kernels)[0](x, weight, scale, bias, block, act_quant, act_peak, out_dtype,
-                                 decode_max_m(kernels, "fp8", k), PANEL_BYTES)
+                                 _limit(kernels, "fp8", x), PANEL_BYTES)
 
 
 def _fp4_entry(kernels, x, weight, scale, bias, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
-    if not formats.MIN_ACT_PEAK <= act_peak <= formats.FP8_MAX:
-        return None
-    try:
-        k = x.shape[-1]
-    except IndexError:
+    if not _peak_ok(act_peak):
         return None
     return entry_ops(kernels)[1](x, weight, scale, bias, act_quant, act_peak, out_dtype,
-                                 decode_max_m(kernels, "fp4", k), PANEL_BYTES)
+                                 _limit(kernels, "fp4", x), PANEL_BYTES)
 
 
 # Tensor types a direct call takes as they are (nn.Parameter overrides nothing of torch's).
@@ -161,34 +194,47 @@ def _plain_args(x, weight, scale, bias, act_quant, out_dtype) -> bool:
             and type(out_dtype) is torch.dtype)
 
 
+def _direct_kernels(op):
+    """The kernels a direct call of ``op`` runs, or ``None`` where it must go through the op."""
+    if not _backend.direct_call_allowed(op, "cpu"):
+        return None
+    kernels = _backend.cpu_kernels()
+    if kernels is None or direct_entries(kernels) is None:
+        return None
+    return kernels
+
+
 def direct_fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
     """:func:`fp8_linear` called without the ``torch_bq::`` dispatcher, or ``None`` when it must not be.
 
     For eager calls of the public op (:func:`torch_bq.ops.fp8_linear`, the modules),
     never under ``torch.compile`` (the caller checks ``torch.compiler.is_compiling()``
-    first) and with ``block`` already checked: the custom-op layers (Python autograd
-    and kernel wrappers) cost more than a whole M = 1 kernel call on small weights
-    from a cold cache. Taken only for plain tensors and where skipping the
-    dispatcher changes nothing (:func:`torch_bq.ops._backend.direct_call_allowed`);
-    the entry op itself refuses dispatch modes and anything autograd must record.
+    first) and with ``block`` already checked: the custom-op layers cost more than a
+    whole M = 1 kernel call on small weights from a cold cache. Taken only for plain
+    tensors, with the kernel not switched off (:func:`torch_bq.ops._backend.direct_call_allowed`),
+    and through the kernel library's Python module, whose ``fp8_linear_direct`` refuses
+    while a TorchFunctionMode, a TorchScript trace or a functorch transform is on;
+    the entry point itself refuses dispatch modes and anything autograd must record.
     ``None``: call the op.
     """
-    if _plain_args(x, weight, scale, bias, act_quant, out_dtype) and _backend.direct_call_allowed(
-            op_defs._fp8_linear, "cpu"):
-        kernels = _backend.cpu_kernels()
-        if kernels is not None:
-            return _fp8_entry(kernels, x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
-    return None
+    if not _plain_args(x, weight, scale, bias, act_quant, out_dtype):
+        return None
+    kernels = _direct_kernels(op_defs._fp8_linear)
+    if kernels is None or not _peak_ok(act_peak):
+        return None
+    return direct_entries(kernels)[0](x, weight, scale, bias, block, act_quant, act_peak, out_dtype,
+                                      _limit(kernels, "fp8", x), PANEL_BYTES)
 
 
 def direct_fp4_linear(x, weight, scale, bias, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
     """:func:`fp4_linear` without the ``torch_bq::`` dispatcher, or ``None``; see :func:`direct_fp8_linear`."""
-    if _plain_args(x, weight, scale, bias, act_quant, out_dtype) and _backend.direct_call_allowed(
-            op_defs._fp4_linear, "cpu"):
-        kernels = _backend.cpu_kernels()
-        if kernels is not None:
-            return _fp4_entry(kernels, x, weight, scale, bias, act_quant, act_peak, out_dtype)
-    return None
+    if not _plain_args(x, weight, scale, bias, act_quant, out_dtype):
+        return None
+    kernels = _direct_kernels(op_defs._fp4_linear)
+    if kernels is None or not _peak_ok(act_peak):
+        return None
+    return direct_entries(kernels)[1](x, weight, scale, bias, act_quant, act_peak, out_dtype,
+                                      _limit(kernels, "fp4", x), PANEL_BYTES)
 
 
 # --------------------------------------------------------------------------- #
