@@ -389,3 +389,22 @@ def test_each_level_calls_its_entry_points_through_its_python_module():
         assert refused == [None] * 4, refused
         assert direct8(*args8) is not None  # and taken again once they are off
     assert len(seen) == len(LEVELS)
+
+
+def test_modules_find_their_tensors_wherever_they_are_registered():
+    # The modules read weight, scale and bias from _buffers (cheaper than Module.__getattr__);
+    # a bias moved to the parameters must still be added, not dropped.
+    torch.manual_seed(0)
+    w = torch.randn(48, 64)
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    bias = torch.randn(48, dtype=torch.bfloat16)
+    w8, s8 = formats.quantize_fp8(w)
+    w4, s4 = formats.quantize_fp4(w)
+    for module, op in ((bqnn.FP8Linear.from_quantized(w8, s8, bias), lambda b: ops.fp8_linear(x, w8, s8, b)),
+                       (bqnn.FP4Linear.from_quantized(w4, s4, bias), lambda b: ops.fp4_linear(x, w4, s4, b))):
+        expected = op(bias)
+        assert not torch.equal(expected, op(None))
+        assert torch.equal(module(x), expected)
+        module.bias = torch.nn.Parameter(bias.clone(), requires_grad=False)
+        assert "bias" not in module._buffers
+        assert torch.equal(module(x), expected)

@@ -82,6 +82,17 @@ def finish_output(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
+def _quantized_tensors(module: nn.Module) -> tuple:
+    """``(weight, weight_scale, bias)`` of a quantized linear module, read from its ``_buffers``:
+    ``module.weight`` is a ``Module.__getattr__`` call, which costs microseconds from a cold cache.
+    Where one of them has been moved out of the buffers (made a parameter, say), the attributes."""
+    buffers = module._buffers
+    try:
+        return buffers["weight"], buffers["weight_scale"], buffers["bias"]
+    except KeyError:
+        return module.weight, module.weight_scale, module.bias
+
+
 def _check_features(in_features: int, out_features: int) -> None:
     for name, value in (("in_features", in_features), ("out_features", out_features)):
         # 0 is allowed, as for nn.Linear: K = 0 gives the bias (or zeros), N = 0 an empty output
@@ -327,8 +338,8 @@ class FP8Linear(_RecordsBlock, _QuantizedLinear):
         out_dtype = dtype if dtype in _OP_OUT_DTYPES else torch.float32
         y = None
         if not torch.compiler.is_compiling():
-            y = ops.fp8_linear_direct(x, self.weight, self.weight_scale, self.bias, self.block, self.act_quant,
-                                      self.act_peak, out_dtype)
+            weight, scale, bias = _quantized_tensors(self)
+            y = ops.fp8_linear_direct(x, weight, scale, bias, self.block, self.act_quant, self.act_peak, out_dtype)
         if y is None:
             y = ops.fp8_linear(
                 x,
@@ -522,8 +533,8 @@ class FP4Linear(_QuantizedLinear):
         out_dtype = dtype if dtype in _OP_OUT_DTYPES else torch.float32
         y = None
         if not torch.compiler.is_compiling():
-            y = ops.fp4_linear_direct(x, self.weight, self.weight_scale, self.bias, self.act_quant, self.act_peak,
-                                      out_dtype)
+            weight, scale, bias = _quantized_tensors(self)
+            y = ops.fp4_linear_direct(x, weight, scale, bias, self.act_quant, self.act_peak, out_dtype)
         if y is None:
             y = ops.fp4_linear(
                 x,
