@@ -40,8 +40,8 @@ header, and ratios rather than absolute times.
 Pages: by default both sides' weights sit in 4 KiB pages (Linux's usual
 ``madvise`` THP mode gives large allocations huge pages only where asked).
 ``--huge-pages`` puts both on 2 MiB pages (torch's ``THP_MEM_ALLOC_ENABLE=1``
-for torch_bq's tensors, ``madvise`` in the shim for ggml's): at M = 1 a cold
-call then spends less of its time on TLB misses.
+for torch_bq's tensors, ``madvise`` in the shim for ggml's), so that the two
+can be compared on either kind of page.
 
 Nothing of ggml is committed: this script downloads and builds it. Needs
 ``cmake`` and a C/C++ compiler; torchao is optional
