@@ -1671,15 +1671,16 @@ inline DotTile<NoJob> partial_dot_tile(int nr, int mv) {
   }
 }
 
-// C^T[rows, M] (+)= panel[rows, 2 kp] x A^T[pairs p0 .. p0 + kp) with the packed A.
+// C^T[rows, M] (+)= panel[rows, 2 kp] x A^T[pairs p0 .. p0 + kp) with the packed A; panel
+// rows are ws pairs apart (kp for a decoded panel, K / 2 for bf16 weights read in place).
 // Meanwhile `job` (null: none) decodes the next panel, its steps shared out
 // over the full register tiles (any left run at the end), and the weight bytes
 // a later panel will decode are prefetched into L2 (`next`), spread over the
 // register tiles: short row streams at a stride of K do not train the
 // hardware prefetchers, and a decode that waits on memory would stall.
 template <class Job>
-void dot_chunk(const uint16_t* panel, int64_t rows, const uint32_t* apack, int64_t kp2, int64_t p0, int64_t kp,
-               int64_t M, float* c, bool accumulate, PrefetchPlan next, Job* job, int64_t steps) {
+void dot_chunk(const uint16_t* panel, int64_t ws, int64_t rows, const uint32_t* apack, int64_t kp2, int64_t p0,
+               int64_t kp, int64_t M, float* c, bool accumulate, PrefetchPlan next, Job* job, int64_t steps) {
   const int64_t blocks = (M + kDotBlock - 1) / kDotBlock;
   const int64_t calls = blocks * ((rows + kDotRows - 1) / kDotRows);
   const int64_t quota = (next.lines() + calls - 1) / calls;
@@ -1691,17 +1692,17 @@ void dot_chunk(const uint16_t* panel, int64_t rows, const uint32_t* apack, int64
     const uint32_t* a = apack + m0 * kp2 + p0 * width;
     for (int64_t r0 = 0; r0 < rows; r0 += kDotRows) {
       next.issue(quota);
-      const uint16_t* w = panel + 2 * r0 * kp;
+      const uint16_t* w = panel + 2 * r0 * ws;
       float* ct = c + r0 * M + m0;
       if (rows - r0 < kDotRows) {
-        partial_dot_tile(static_cast<int>(rows - r0), mv)(w, kp, a, width, kp, ct, M, accumulate, tail, nullptr, 0);
+        partial_dot_tile(static_cast<int>(rows - r0), mv)(w, ws, a, width, kp, ct, M, accumulate, tail, nullptr, 0);
       } else if (job_calls > 0) {
         const int64_t share = (steps + job_calls - 1) / job_calls;
-        dot_tile_for<kDotRows, Job>(mv)(w, kp, a, width, kp, ct, M, accumulate, tail, job, share);
+        dot_tile_for<kDotRows, Job>(mv)(w, ws, a, width, kp, ct, M, accumulate, tail, job, share);
         steps -= share;
         --job_calls;
       } else {
-        dot_tile_for<kDotRows, NoJob>(mv)(w, kp, a, width, kp, ct, M, accumulate, tail, nullptr, 0);
+        dot_tile_for<kDotRows, NoJob>(mv)(w, ws, a, width, kp, ct, M, accumulate, tail, nullptr, 0);
       }
     }
   }
@@ -1990,11 +1991,13 @@ struct DenseRows {
   struct Scan {
     __m512i low = _mm512_set1_epi16(255);
     __mmask32 tiny = 0;
+    // No constant operands: inside the register tiles (ScanJob) every spare register is
+    // taken by accumulators, and one more would make GCC spill them around each step.
     void add(__m512i v) {
-      const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi16(0x7FFF));
+      const __m512i mag = _mm512_slli_epi16(v, 1);  // the sign shifted out
       const __mmask32 nonzero = _mm512_test_epi16_mask(mag, mag);
-      const __m512i e = _mm512_srli_epi16(mag, 7);
-      tiny |= _mm512_mask_cmpeq_epi16_mask(nonzero, e, _mm512_setzero_si512());
+      const __m512i e = _mm512_srli_epi16(mag, 8);
+      tiny |= _mm512_mask_testn_epi16_mask(nonzero, e, e);
       low = _mm512_mask_min_epu16(low, nonzero, low, e);
     }
     uint32_t min_exp() const {
@@ -2007,7 +2010,52 @@ struct DenseRows {
   };
 #endif
   // Copies and scans in one pass (bf16 weights carry no shared scale to read the bound from).
-  LowBits bf16(int64_t n, int64_t k0, int64_t k1, uint16_t* dst, float*) const {
+  LowBits bf16(int64_t n, int64_t k0, int64_t k1, uint16_t* dst, float*) const { return convert<true>(n, k0, k1, dst); }
+  // The bound of bf16(n, k0, k1) without the copy (for weights read in place).
+  LowBits scan(int64_t n, int64_t k0, int64_t k1) const { return convert<false>(n, k0, k1, nullptr); }
+  // Row n's bf16 weights from element k0 where the register tiles can read them in place
+  // (bf16 weights and K even: every row holds whole pairs), else null (a panel is copied).
+  // No copy, so no panel to write and keep in L2; the bound comes from scan() or ScanJob.
+  const uint16_t* in_place(int64_t n, int64_t k0) const {
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (K % 2 == 0) return reinterpret_cast<const uint16_t*>(data + n * K + k0);
+    }
+    return nullptr;
+  }
+#if defined(TORCH_BQ_AVX512_BF16)
+  // The bound of the next chunk of in-place weights (whole 32-element units), as steps of
+  // 32 elements (row by row) inside the current chunk's register tiles: one load and a few
+  // integer operations each, which also bring the rows into L1 before they are multiplied.
+  // The same bound as scan(). Kept this small: the tiles leave it five vector registers.
+  struct ScanJob {
+    const uint16_t* row = nullptr;  // the current row at the chunk's first element
+    int64_t stride = 0, units = 0, total = 0, j = 0;
+    Scan scan;
+    int64_t steps() const { return total; }
+    LowBits bits() const { return {static_cast<int>(scan.min_exp()) - 134, scan.tiny != 0}; }
+    void step() {
+      scan.add(_mm512_loadu_si512(reinterpret_cast<const void*>(row + 32 * j)));
+      if (++j == units) {
+        j = 0;
+        row += stride;
+      }
+    }
+  };
+  using PanelJob = ScanJob;
+  bool panel_job(int64_t n0, int64_t rows, int64_t k0, int64_t k1, uint16_t*, int64_t, PanelJob& job) const {
+    const uint16_t* first = in_place(n0, k0);
+    if (first == nullptr || (k1 - k0) % 32 != 0) return false;  // scanned (or copied) on its own
+    job.row = first;
+    job.stride = K;
+    job.units = (k1 - k0) / 32;
+    job.total = rows * job.units;
+    return true;
+  }
+#endif
+
+ private:
+  template <bool kStore>
+  LowBits convert(int64_t n, int64_t k0, int64_t k1, uint16_t* dst) const {
     const T* row = data + n * K;
     uint32_t min_exp = 255;
     bool subnormal = false;
@@ -2017,7 +2065,7 @@ struct DenseRows {
       Scan scan;
       for (; k + 32 <= k1; k += 32) {
         const __m512i v = bf16x32(row + k);
-        _mm512_storeu_si512(reinterpret_cast<void*>(dst + (k - k0)), v);
+        if constexpr (kStore) _mm512_storeu_si512(reinterpret_cast<void*>(dst + (k - k0)), v);
         scan.add(v);
       }
       min_exp = scan.min_exp();
@@ -2026,7 +2074,7 @@ struct DenseRows {
 #endif
     for (; k < k1; ++k) {
       const uint16_t v = bf16_of(row[k]);
-      dst[k - k0] = v;
+      if constexpr (kStore) dst[k - k0] = v;
       const uint32_t b = v & 0x7FFFu, e = b >> 7;
       subnormal |= (e == 0) & (b != 0);
       min_exp = std::min(min_exp, b == 0 ? 255u : e);
@@ -2063,6 +2111,12 @@ template <class R, class = void>
 struct has_bytes_of : std::false_type {};
 template <class R>
 struct has_bytes_of<R, std::void_t<decltype(std::declval<const R&>().bytes_of(0, 0, 0, 0))>> : std::true_type {};
+
+// Whether a Rows type can have its bf16 weights multiplied where they lie (in_place; optional).
+template <class R, class = void>
+struct has_in_place : std::false_type {};
+template <class R>
+struct has_in_place<R, std::void_t<decltype(std::declval<const R&>().in_place(0, 0))>> : std::true_type {};
 
 // Whether a Rows type can cut its bf16 panel decode into steps (PanelJob, panel_job; optional).
 template <class R, class = void>
@@ -2172,19 +2226,33 @@ void gemm_task(const Rows& wr, GemmOperands& ops, int64_t n_begin, int64_t n_end
         const int64_t padded = width + (width & 1);  // pairs with A^T's zero row
         const int64_t half = std::min(group, n_end - n_begin) * kc;
         uint16_t* p = buf.panel16.data() + (panels & 1) * half;
-        LowBits bits{std::numeric_limits<int>::max(), false};
-        if (decoded) {
-          bits = decoded_bits;
-        } else {
-          for (int64_t r = 0; r < rows; ++r) {
-            const LowBits row_bits = wr.bf16(n0 + r, k0, k1, p + r * padded, buf.scratch.data());
-            bits = {std::min(bits.low_bit, row_bits.low_bit), bits.subnormal || row_bits.subnormal};
+        // The multiplied panel: p, rows padded / 2 pairs apart, or the weights themselves.
+        const uint16_t* panel = p;
+        int64_t ws = padded / 2;
+        if constexpr (has_in_place<Rows>::value) {
+          if (const uint16_t* w = wr.in_place(n0, k0)) {
+            panel = w;
+            ws = K / 2;
           }
         }
-        if (padded != width)
+        LowBits bits{std::numeric_limits<int>::max(), false};
+        auto merge = [&](const LowBits& b) {
+          bits = {std::min(bits.low_bit, b.low_bit), bits.subnormal || b.subnormal};
+        };
+        if (decoded) {
+          bits = decoded_bits;
+        } else if (panel != p) {
+          if constexpr (has_in_place<Rows>::value)
+            for (int64_t r = 0; r < rows; ++r) merge(wr.scan(n0 + r, k0, k1));
+        } else {
+          for (int64_t r = 0; r < rows; ++r) merge(wr.bf16(n0 + r, k0, k1, p + r * padded, buf.scratch.data()));
+        }
+        if (panel == p && padded != width)
           for (int64_t r = 0; r < rows; ++r) p[r * padded + width] = 0;
         decoded = false;
-        chunk_bf16 = !bits.subnormal && ops.a_bits.low_bit + bits.low_bit >= -126;
+        // all_bf16: after an fp32 chunk C^T may hold subnormal partial sums, which vdpbf16ps
+        // would read as zero, so the group's later chunks take the fp32 microkernel too.
+        chunk_bf16 = all_bf16 && !bits.subnormal && ops.a_bits.low_bit + bits.low_bit >= -126;
         if (chunk_bf16) {
           // The panel after this one: the next chunk of these rows, else the next rows' first
           // (past the task: the rows after it, only to prefetch), and the one after that.
@@ -2211,15 +2279,15 @@ void gemm_task(const Rows& wr, GemmOperands& ops, int64_t n_begin, int64_t n_end
             const int64_t npadded = (next.k1 - next.k0) + ((next.k1 - next.k0) & 1);
             uint16_t* np = buf.panel16.data() + ((panels + 1) & 1) * half;
             if (next.n0 < n_end && wr.panel_job(next.n0, next.rows, next.k0, next.k1, np, npadded, job)) {
-              dot_chunk(p, rows, apack, ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0, prefetch(after(next)), &job,
-                        job.steps());
+              dot_chunk(panel, ws, rows, apack, ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0, prefetch(after(next)),
+                        &job, job.steps());
               decoded_bits = job.bits();
               fused = decoded = true;
             }
           }
           if (!fused)
-            dot_chunk<NoJob>(p, rows, apack, ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0, prefetch(next), nullptr,
-                             0);
+            dot_chunk<NoJob>(panel, ws, rows, apack, ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0, prefetch(next),
+                             nullptr, 0);
         }
         ++panels;
       }
