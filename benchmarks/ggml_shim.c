@@ -9,10 +9,18 @@
  * in ggml's CPU "repack" buffer when ggml has a repacked layout for the type
  * on this CPU, as llama.cpp does by default) and, per row count M, a graph
  * y = mul_mat(W, x) with x f32 [M, K]; bq_run computes it once.
+ *
+ * With huge_pages set, the weight's buffer is advised onto 2 MiB pages before
+ * the weight is written into it (what torch's THP_MEM_ALLOC_ENABLE=1 does for
+ * torch's own large allocations), so that both sides can be compared on
+ * 2 MiB pages as well as on 4 KiB ones.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
@@ -36,6 +44,7 @@ typedef struct {
   struct ggml_tensor *w;
   int64_t n, k;
   int repacked;
+  int huge_pages;
   bq_graph graphs[BQ_MAX_GRAPHS];
   int n_graphs;
 } bq_handle;
@@ -60,8 +69,22 @@ int bq_isa_flags(void) {
          (ggml_cpu_has_avx_vnni() << 6);
 }
 
+/* madvise(MADV_HUGEPAGE) over the whole 2 MiB pages inside the buffer; 1 if advised. */
+static int advise_huge_pages(ggml_backend_buffer_t buf) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const uintptr_t huge = (uintptr_t)2 << 20;
+  const uintptr_t base = (uintptr_t)ggml_backend_buffer_get_base(buf);
+  const uintptr_t start = (base + huge - 1) & ~(huge - 1);
+  const uintptr_t end = (base + ggml_backend_buffer_get_size(buf)) & ~(huge - 1);
+  return end > start && madvise((void *)start, end - start, MADV_HUGEPAGE) == 0;
+#else
+  (void)buf;
+  return 0;
+#endif
+}
+
 /* type: 0 = q8_0, 1 = mxfp4. w: float32 [n, k] (k a multiple of 32), quantized here. */
-void *bq_create(int type, int64_t n, int64_t k, const float *w, int n_threads, int allow_repack) {
+void *bq_create(int type, int64_t n, int64_t k, const float *w, int n_threads, int allow_repack, int huge_pages) {
   const enum ggml_type t = type == 0 ? GGML_TYPE_Q8_0 : GGML_TYPE_MXFP4;
   bq_handle *h = calloc(1, sizeof *h);
   h->n = n;
@@ -82,6 +105,7 @@ void *bq_create(int type, int64_t n, int64_t k, const float *w, int n_threads, i
     h->w = ggml_new_tensor_2d(h->wctx, t, k, n);
   }
   if (h->wbuf == NULL) h->wbuf = ggml_backend_alloc_ctx_tensors(h->wctx, h->backend);
+  h->huge_pages = huge_pages && advise_huge_pages(h->wbuf);
   const size_t bytes = ggml_row_size(t, k) * (size_t)n;
   void *q = malloc(bytes);
   ggml_quantize_chunk(t, w, q, 0, n, k, NULL);
@@ -91,6 +115,8 @@ void *bq_create(int type, int64_t n, int64_t k, const float *w, int n_threads, i
 }
 
 int bq_repacked(void *handle) { return ((bq_handle *)handle)->repacked; }
+
+int bq_huge_pages(void *handle) { return ((bq_handle *)handle)->huge_pages; }
 
 static bq_graph *graph_for(bq_handle *h, int64_t m) {
   for (int i = 0; i < h->n_graphs; ++i)

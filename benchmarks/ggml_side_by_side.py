@@ -7,7 +7,8 @@ For every weight shape ``N x K`` and row count ``M``, in one process and one run
 * ``fp8-module``, ``fp4-module`` (M = 1 only): ``FP8Linear`` / ``FP4Linear``
   holding the same weight, called on the same activation (``module(x)``);
 * ``fp8-kernel``, ``fp4-kernel``: the compiled kernel call alone, on operands
-  prepared ahead (the activation already qdq'd, fp32 output): what the op and
+  prepared ahead (the activation already qdq'd, fp32 output), through the kernel
+  library's Python module (not ``torch.ops``) where it has one: what the op and
   the modules would cost without any Python, argument checks, qdq or output
   rounding around the kernel;
 * ``q8_0``, ``mxfp4``: ggml's ``mul_mat`` on the same-size weight in its
@@ -36,6 +37,12 @@ rounds, and each time is the median. Times are the calling thread's CPU time
 memory contention from other jobs still does, hence the load average in the
 header, and ratios rather than absolute times.
 
+Pages: by default both sides' weights sit in 4 KiB pages (Linux's usual
+``madvise`` THP mode gives large allocations huge pages only where asked).
+``--huge-pages`` puts both on 2 MiB pages (torch's ``THP_MEM_ALLOC_ENABLE=1``
+for torch_bq's tensors, ``madvise`` in the shim for ggml's), so that the two
+can be compared on either kind of page.
+
 Nothing of ggml is committed: this script downloads and builds it. Needs
 ``cmake`` and a C/C++ compiler; torchao is optional
 (``pip install torchao==0.18.0``).
@@ -47,6 +54,7 @@ Usage::
     python -m benchmarks.ggml_side_by_side --isa native --shapes 4096x4096 --rows 1,4,16
     python -m benchmarks.ggml_side_by_side --crossover      # decode vs prefill path (DECODE_MAX_M)
     python -m benchmarks.ggml_side_by_side --cliffs --reps 11  # time per row at every M, steps above 10%
+    python -m benchmarks.ggml_side_by_side --huge-pages     # both sides' weights on 2 MiB pages
 """
 
 from __future__ import annotations
@@ -71,6 +79,8 @@ ROWS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128]  # pairs M, M + 1 wher
 QUICK_ROWS = [1, 4, 16, 32]
 LLC_FLUSH_BYTES = 64 << 20  # twice the 32 MiB L3 of the reference machine
 ISA_CAP_ENV = "TORCH_BQ_CPU_ISA"  # torch_bq's cap on the CPU kernels' ISA
+THP_ENV = "THP_MEM_ALLOC_ENABLE"  # torch's switch: large CPU allocations 2 MiB-aligned, madvise(MADV_HUGEPAGE)
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 GGML_TYPES = {"q8_0": 0, "mxfp4": 1}
 
 SHIM_SOURCE = Path(__file__).with_name("ggml_shim.c")
@@ -161,11 +171,12 @@ class Ggml:
         lib = ctypes.CDLL(str(lib_path), mode=os.RTLD_LOCAL)
         lib.bq_create.restype = ctypes.c_void_p
         lib.bq_create.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-                                  ctypes.c_int]
+                                  ctypes.c_int, ctypes.c_int]
         lib.bq_run.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         lib.bq_set_input.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
         lib.bq_get_output.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
         lib.bq_repacked.argtypes = [ctypes.c_void_p]
+        lib.bq_huge_pages.argtypes = [ctypes.c_void_p]
         lib.bq_free.argtypes = [ctypes.c_void_p]
         self.lib = lib
         bits = lib.bq_isa_flags()
@@ -181,8 +192,10 @@ class GgmlWeight:
 
         w = w.float().contiguous()
         self.lib, self.n, self.k = ggml.lib, w.shape[0], w.shape[1]
-        self.handle = self.lib.bq_create(GGML_TYPES[kind], self.n, self.k, w.data_ptr(), 1, 1)
+        self.handle = self.lib.bq_create(GGML_TYPES[kind], self.n, self.k, w.data_ptr(), 1, 1, int(huge_pages()))
         self.repacked = bool(self.lib.bq_repacked(self.handle))
+        if huge_pages() and not self.lib.bq_huge_pages(self.handle):
+            raise RuntimeError(f"ggml shim: madvise(MADV_HUGEPAGE) refused for the {kind} weight")
         self._torch = torch
 
     def prepare(self, x) -> None:
@@ -208,6 +221,24 @@ class GgmlWeight:
 # --------------------------------------------------------------------------- #
 # timing
 # --------------------------------------------------------------------------- #
+
+
+def huge_pages() -> bool:
+    """Whether this run puts the weights on 2 MiB pages (``--huge-pages``): torch's own large
+    allocations through ``THP_MEM_ALLOC_ENABLE=1`` (read by torch once, at start-up), ggml's
+    weight buffers through the shim's ``madvise``."""
+    return os.environ.get(THP_ENV) == "1"
+
+
+def anon_huge_pages_mib() -> float:
+    """This process's anonymous memory on transparent huge pages (``/proc/self/smaps_rollup``)."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 def cpu_model() -> str:
@@ -329,10 +360,11 @@ def bench_isa(isa: str, ggml_lib: Path, shapes, rows, reps: int, with_torchao: b
     if kernels is None:
         raise RuntimeError("torch_bq's compiled CPU kernels are unavailable; refusing to time the reference")
     ours = f"{kernels.isa()} library, {kernels.decode_isa()} decode"
+    staged = _backend.entry_module(kernels) or kernels  # the kernel calls without torch.ops where the build allows
     ggml = Ggml(ggml_lib)
     bandwidth = read_bandwidth()
     meta = {"isa": isa, "torch_bq_decode": ours, "ggml_isa": ggml.isa, "bandwidth": bandwidth,
-            "load_start": load(), "torch": torch.__version__}
+            "load_start": load(), "torch": torch.__version__, "huge_pages": huge_pages()}
     print(f"[{isa}] torch_bq decode kernels: {ours}; ggml built with {'+'.join(ggml.isa)}; "
           f"read bandwidth {bandwidth / 1e9:.1f} GB/s; load {meta['load_start']}", flush=True)
     timer = Timer(reps)
@@ -359,10 +391,10 @@ def bench_isa(isa: str, ggml_lib: Path, shapes, rows, reps: int, with_torchao: b
             a = kernels.qdq_fp8(x, 224.0, True)  # the kernels' operand: qdq(x) as fp32
             fns = {
                 "fp8": lambda: ops.fp8_linear(x, d8, s8),
-                "fp8-kernel": lambda: kernels.fp8_linear(a, d8b, s8b, None, 32, 32, max8, fast.PANEL_BYTES),
+                "fp8-kernel": lambda: staged.fp8_linear(a, d8b, s8b, None, 32, 32, max8, fast.PANEL_BYTES),
                 "q8_0": q8.run,
                 "fp4": lambda: ops.fp4_linear(x, p4, s4),
-                "fp4-kernel": lambda: kernels.fp4_linear(a, p4b, s4b, None, max4, fast.PANEL_BYTES),
+                "fp4-kernel": lambda: staged.fp4_linear(a, p4b, s4b, None, max4, fast.PANEL_BYTES),
                 "mxfp4": mx.run,
                 "bf16": lambda: F.linear(x, w_bf16),
             }
@@ -377,6 +409,7 @@ def bench_isa(isa: str, ggml_lib: Path, shapes, rows, reps: int, with_torchao: b
             print(f"  [{isa}] {n}x{k} M={m}: " + ", ".join(f"{key} {v * 1e3:.3f}" for key, v in t.items())
                   + " ms", flush=True)
         meta["mxfp4_repacked"] = mx.repacked
+        meta["anon_huge_pages_mib"] = max(meta.get("anon_huge_pages_mib", 0.0), anon_huge_pages_mib())
         del q8, mx, mod8, mod4
     meta["torchao"] = ao_note
     meta["load_end"] = load()
@@ -462,7 +495,7 @@ def summary(run: dict) -> str:
     """How many cases meet the issue's targets, for the public op and for the kernel call alone."""
     rows = run["results"]
     lines = [f"| {run['meta']['isa']} | fp8 op <= q8_0 | fp8 kernel <= q8_0 | fp4 op <= mxfp4 | "
-             "fp4 kernel <= mxfp4 | fp4 kernel <= 1.5x floor |", "|---|---|---|---|---|---|"]
+             "fp4 kernel <= mxfp4 | fp4 op <= 1.5x floor | fp4 kernel <= 1.5x floor |", "|---|---|---|---|---|---|---|"]
     for label, pick in (("M = 1", lambda m: m == 1), ("M = 2-32", lambda m: 2 <= m <= 32), ("M > 32", lambda m: m > 32)):
         sub = [r for r in rows if pick(r["m"])]
         if not sub:
@@ -473,9 +506,12 @@ def summary(run: dict) -> str:
             worst = max(r[ours] / r[theirs] for r in sub)
             return f"{hits}/{len(sub)} (worst {worst:.2f})"
 
-        floor = sum(1 for r in sub if r["fp4-kernel"] <= 1.5 * r["floor4"])
+        def floor(ours):
+            hits = sum(1 for r in sub if r[ours] <= 1.5 * r["floor4"])
+            return f"{hits}/{len(sub)} (worst {max(r[ours] / r['floor4'] for r in sub):.2f}x)"
+
         lines.append(f"| {label} | {cell('fp8', 'q8_0')} | {cell('fp8-kernel', 'q8_0')} | {cell('fp4', 'mxfp4')} | "
-                     f"{cell('fp4-kernel', 'mxfp4')} | {floor}/{len(sub)} |")
+                     f"{cell('fp4-kernel', 'mxfp4')} | {floor('fp4')} | {floor('fp4-kernel')} |")
     return "\n".join(lines)
 
 
@@ -522,7 +558,9 @@ def report(runs: list[dict]) -> None:
         print(f"\n### {meta['isa']}: torch_bq decode kernels {meta['torch_bq_decode']}, ggml "
               f"{'+'.join(meta['ggml_isa'])} (MXFP4 repacked: {meta.get('mxfp4_repacked')}), {meta['torchao']}; "
               f"torch {meta['torch']}; read bandwidth {meta['bandwidth'] / 1e9:.1f} GB/s; "
-              f"load average {meta['load_start']} -> {meta['load_end']}")
+              f"load average {meta['load_start']} -> {meta['load_end']}; pages: "
+              + (f"2 MiB for the weights on both sides (this process's AnonHugePages up to "
+                 f"{meta.get('anon_huge_pages_mib', 0.0):.0f} MiB)" if meta.get("huge_pages") else "4 KiB (no THP advice)"))
         print(ratio_table(run))
         print()
         print(m1_table(run))
@@ -607,9 +645,11 @@ def cliff_check(shapes, rows, reps: int) -> None:
     import torch
 
     from torch_bq import ops
+    from torch_bq.ops import _backend
     from torch_bq.ops.cpu import linear as fast
 
     kernels = one_thread_kernels(f"{reps} rounds, medians; load average")
+    staged = _backend.entry_module(kernels) or kernels
     timer = Timer(reps)
     flagged = []
     for n, k in shapes:
@@ -621,9 +661,9 @@ def cliff_check(shapes, rows, reps: int) -> None:
             x = torch.randn(m, k, dtype=torch.bfloat16)
             a = kernels.qdq_fp8(x, 224.0, True)
             fns[("fp8", m)] = lambda x=x: ops.fp8_linear(x, d8, s8)
-            fns[("fp8-kernel", m)] = lambda a=a: kernels.fp8_linear(a, d8b, s8b, None, 32, 32, max8, fast.PANEL_BYTES)
+            fns[("fp8-kernel", m)] = lambda a=a: staged.fp8_linear(a, d8b, s8b, None, 32, 32, max8, fast.PANEL_BYTES)
             fns[("fp4", m)] = lambda x=x: ops.fp4_linear(x, p4, s4)
-            fns[("fp4-kernel", m)] = lambda a=a: kernels.fp4_linear(a, p4b, s4b, None, max4, fast.PANEL_BYTES)
+            fns[("fp4-kernel", m)] = lambda a=a: staged.fp4_linear(a, p4b, s4b, None, max4, fast.PANEL_BYTES)
         t = timer(fns)
         cols = ("fp8", "fp8-kernel", "fp4", "fp4-kernel")
         print(f"\n{n} x {k} (decode up to M = {max8} fp8, {max4} fp4): microseconds per row, and the rise "
@@ -663,8 +703,18 @@ def main() -> None:
     parser.add_argument("--cliffs", action="store_true",
                         help="time per row at every M (ops and kernel calls, no ggml), all M of a shape interleaved; "
                              "M default 1-40 and each format's decode limit + 0, 1, 2")
+    parser.add_argument("--huge-pages", action="store_true",
+                        help=f"weights on 2 MiB pages on both sides: torch's {THP_ENV}=1 (the script restarts itself "
+                             "with it) and madvise(MADV_HUGEPAGE) on ggml's weight buffers")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.huge_pages and not huge_pages():
+        mode = THP_MODE.read_text().strip() if THP_MODE.exists() else "absent"
+        if "[never]" in mode or mode == "absent":
+            parser.error(f"--huge-pages: transparent huge pages are off here ({THP_MODE}: {mode})")
+        # torch reads the switch once, at its first large allocation: restart with it set.
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.ggml_side_by_side", *sys.argv[1:]],
+                  {**os.environ, THP_ENV: "1"})
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else (
         SHAPES[:1] if args.quick else SHAPES)
     if args.crossover:

@@ -2928,7 +2928,8 @@ TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
 // From a cold cache a torch.ops call spends 80-100 us before the first line of the
 // function it reaches (argument parsing against the schema, the dispatcher) and
 // 15-25 us coming back: as much as the whole decode of a 2880 x 2880 MXFP4 weight.
-// This module holds the same two entry points, callable from Python directly:
+// This module holds the same two entry points (and the staged kernels), callable from
+// Python directly:
 //
 // * fp8_linear_op / fp4_linear_op: the ops' functions as they are, for the CPU
 //   kernels of torch_bq::fp8_linear / fp4_linear (torch_bq/ops/cpu/linear.py),
@@ -2992,6 +2993,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = TORCH_BQ_STR(TORCH_BQ_ISA);
   m.def("fp8_linear_op", &torch_bq_cpu::fp8_linear_entry, release());
   m.def("fp4_linear_op", &torch_bq_cpu::fp4_linear_entry, release());
+  // The staged kernels (qdq'd fp32 A in, fp32 out), for timing a kernel call without torch.ops
+  // (benchmarks/ggml_side_by_side.py); torch_bq itself calls them through the ops.
+  m.def("fp8_linear", &torch_bq_cpu::fp8_linear, release());
+  m.def("fp4_linear", &torch_bq_cpu::fp4_linear, release());
   m.def("fp8_linear_direct",
         [](const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
            const std::optional<at::Tensor>& bias, std::vector<int64_t> block, bool act_quant, double act_peak,

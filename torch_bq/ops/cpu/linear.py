@@ -117,8 +117,6 @@ def decode_max_m(kernels, fmt: str, k: int) -> int:
 _entry_ops: dict = {}
 # id(kernels) -> (fp8_linear_direct, fp4_linear_direct) of the library's Python module, or None
 _direct_entries: dict = {}
-# id(kernels) -> {fmt: decode_max_m} where it does not depend on K (no ``long_k`` limit)
-_fixed_limits: dict = {}
 
 
 def entry_ops(kernels) -> tuple:
@@ -145,17 +143,7 @@ def direct_entries(kernels) -> Optional[tuple]:
 
 
 def _limit(kernels, fmt: str, x) -> int:
-    """``decode_max_m(kernels, fmt, K)`` of ``x [..., K]``, without reading K where the limit does
-    not depend on it (each attribute read of a tensor costs microseconds from a cold cache)."""
-    fixed = _fixed_limits.get(id(kernels))
-    if fixed is None:
-        decode_max_m(kernels, fmt, 1)  # fills _decode_isa
-        limits = DECODE_MAX_M.get(_decode_isa[id(kernels)], DECODE_MAX_M["generic"])
-        fixed = {} if limits["long_k"] is not None else {"fp8": limits["fp8"], "fp4": limits["fp4"]}
-        _fixed_limits[id(kernels)] = fixed
-    limit = fixed.get(fmt)
-    if limit is not None:
-        return limit
+    """``decode_max_m(kernels, fmt, K)`` for ``x [..., K]``."""
     try:
         return decode_max_m(kernels, fmt, x.shape[-1])
     except IndexError:  # 0-d x: the entry point refuses it, and the checks name it
