@@ -1353,11 +1353,13 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 // columns n0 .. n0 + Nt; Nt = kDotTaskRows with AVX512_BF16, else kTileRows)
 // and computes each for all M rows of A, K chunk by K chunk:
 //   for each group, for k-chunk (kc elements, whole scale blocks; kc does not depend on K):
-//     panel[Nt, kc] = dequantize(W[n0:n0+Nt, k-chunk])        (L2-resident)
+//     panel[Nt, kc] = dequantize(W[n0:n0+Nt, k-chunk])        (L2-resident; bf16 W
+//                                                              with K even: W itself)
 //     C^T[Nt, M] (+)= panel x A^T[k-chunk, :]                 (fp32 accumulators)
 //   out[:, n0:n0+Nt] = (C^T)^T       (or round((C^T)^T + bias) into the op's output)
 // With AVX512_BF16 the next panel of the task (next chunk, or the next group's
-// first) is decoded during the current chunk's multiply (PanelJob, dot_tile).
+// first) is decoded during the current chunk's multiply (PanelJob, dot_tile);
+// for bf16 weights read in place the job only scans it for the subnormal bound.
 // The GEMM of a chunk is single-threaded inside each task: the tasks are the
 // only parallelism, so no GEMM-internal barrier waits for a descheduled
 // thread. Accumulation is fp32 over the whole of K (C^T is fp32 and
@@ -1379,7 +1381,9 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 //   occur: A and the chunk's weights hold no subnormal and the product of
 //   their lowest set bits is at least 2**-126 (every product, and every fp32
 //   partial sum of them, is then a multiple of that quantum: zero or
-//   normal). Other chunks run the fp32 microkernel into the same C^T.
+//   normal). Other chunks run the fp32 microkernel into the same C^T, and so
+//   do the later chunks of their row group (its partial sums may now be
+//   subnormal, and vdpbf16ps would read its accumulators as zero).
 // * fp32 x fp32 -> fp32: oneDNN's brgemm microkernel
 //   (at::native::cpublas::brgemm) on fp32 panels with kTileCols-row slices of
 //   A^T (AVX2 / AVX-512 builds, fp32 scales, and the chunks above).
@@ -1390,7 +1394,9 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 // fp32(n, k0, k1, dst) (dequantized row n, elements [k0, k1)), bf16(n, k0,
 // k1, dst16, scratch) -> LowBits (the same as bf16 bits, exact whenever the
 // returned bound says normal), and bytes_of(n, rows, k0, k1) (the stored
-// bytes of those elements, for the prefetch).
+// bytes of those elements, for the prefetch); optionally PanelJob /
+// panel_job (the bf16 panel decode cut into steps), and in_place(n, k0) with
+// scan(n, k0, k1) (bf16 weights the tiles read where they lie, and their bound).
 
 // Tiles run per microkernel since load: bf16, fp32, at::mm panels (tests read
 // them through the prefill_counts op to see which path a call took).
@@ -1408,36 +1414,24 @@ struct LowBits {
   bool subnormal;    // some nonzero element is an fp32/bf16 subnormal
 };
 
-// A row-major fp32 [M, K] of bf16-exact values: from the exponent fields.
-inline LowBits activation_low_bits(const float* a, int64_t count) {
-  uint32_t min_exp = 255;
-  bool subnormal = false;
-  int64_t i = 0;
 #if defined(TORCH_BQ_AVX512)
-  {
-    // 16 at a time: the smallest exponent field among nonzero elements, and whether one is 0.
-    __m512i low = _mm512_set1_epi32(255);
-    __mmask16 tiny = 0;
-    for (; i + 16 <= count; i += 16) {
-      const __m512i mag = _mm512_and_si512(_mm512_loadu_si512(a + i), _mm512_set1_epi32(0x7FFFFFFF));
-      const __mmask16 nonzero = _mm512_test_epi32_mask(mag, mag);
-      const __m512i e = _mm512_srli_epi32(mag, 23);
-      tiny |= _mm512_mask_cmpeq_epi32_mask(nonzero, e, _mm512_setzero_si512());
-      low = _mm512_mask_min_epu32(low, nonzero, low, e);
-    }
-    min_exp = static_cast<uint32_t>(_mm512_reduce_min_epu32(low));
-    subnormal = tiny != 0;
-  }
-#endif
-  for (; i < count; ++i) {
-    const uint32_t b = bits_from_f32(a[i]) & 0x7FFFFFFFu;
-    const uint32_t e = b >> 23;
-    subnormal |= (e == 0) & (b != 0);
-    min_exp = std::min(min_exp, b == 0 ? 255u : e);
+// The bound of fp32 values that are bf16-exact, 16 at a time (the activation's, taken while
+// pack_activation converts it): the smallest exponent field among nonzero elements, and
+// whether one of them is subnormal (exponent field 0).
+struct ActivationScan {
+  __m512i low = _mm512_set1_epi32(255);
+  __mmask16 tiny = 0;
+  void add(__m512 x) {
+    const __m512i mag = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF));
+    const __mmask16 nonzero = _mm512_test_epi32_mask(mag, mag);
+    const __m512i e = _mm512_srli_epi32(mag, 23);
+    tiny |= _mm512_mask_testn_epi32_mask(nonzero, e, e);
+    low = _mm512_mask_min_epu32(low, nonzero, low, e);
   }
   // A bf16-exact value with biased exponent e has its lowest bit >= 2**(e - 127 - 7).
-  return {static_cast<int>(min_exp) - 134, subnormal};
-}
+  LowBits bits() const { return {static_cast<int>(_mm512_reduce_min_epu32(low)) - 134, tiny != 0}; }
+};
+#endif
 
 // The A operands a call's microkernels read, built once per call.
 struct GemmOperands {
@@ -1557,8 +1551,10 @@ inline int64_t packed_block_width(int64_t M, int64_t m0) {
 
 // bf16 pairs of A^T (A fp32 [M, K] of bf16-exact values, so the conversion is
 // exact): 16 rows x 32 elements at a time, converted to 16 x 16 pairs and
-// transposed. Rows past M and elements past K are zero.
-at::Tensor pack_activation(const at::Tensor& A, int64_t kp2) {
+// transposed. Rows past M and elements past K are zero. `bits` gets A's bound,
+// taken from the same loads (vcvtne2ps2bf16 flushes subnormals: the packed copy
+// is exact only where bits.subnormal is false).
+at::Tensor pack_activation(const at::Tensor& A, int64_t kp2, LowBits& bits) {
   const int64_t M = A.size(0), K = A.size(1);
   const int64_t blocks = (M + kDotBlock - 1) / kDotBlock;
   const int64_t total = (blocks - 1) * kDotBlock + packed_block_width(M, (blocks - 1) * kDotBlock);
@@ -1567,7 +1563,9 @@ at::Tensor pack_activation(const at::Tensor& A, int64_t kp2) {
   int32_t* dst = packed.data_ptr<int32_t>();
   constexpr int64_t kPairsPerTask = 512;  // a multiple of 16
   const int64_t spans = (kp2 + kPairsPerTask - 1) / kPairsPerTask;
+  std::vector<LowBits> task_bits(blocks * spans);
   run_tasks(blocks * spans, [&](int64_t t) {
+    ActivationScan scan;
     const int64_t m0 = t / spans * kDotBlock, width = packed_block_width(M, m0);
     const int64_t p0 = t % spans * kPairsPerTask, p1 = std::min(kp2, p0 + kPairsPerTask);
     int32_t* block = dst + m0 * kp2;
@@ -1584,14 +1582,20 @@ at::Tensor pack_activation(const at::Tensor& A, int64_t kp2) {
             continue;
           }
           const float* row = a + m * K + k;
-          r[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, row + 16), _mm512_maskz_loadu_ps(lo, row));
+          const __m512 x0 = _mm512_maskz_loadu_ps(lo, row), x1 = _mm512_maskz_loadu_ps(hi, row + 16);
+          scan.add(x0);
+          scan.add(x1);
+          r[i] = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
         }
         transpose16(r);
         const int64_t n = std::min<int64_t>(16, p1 - p);
         for (int64_t j = 0; j < n; ++j) _mm512_storeu_si512(block + (p + j) * width + g, r[j]);
       }
     }
+    task_bits[t] = scan.bits();
   });
+  bits = {std::numeric_limits<int>::max(), false};
+  for (const LowBits& b : task_bits) bits = {std::min(bits.low_bit, b.low_bit), bits.subnormal || b.subnormal};
   return packed;
 }
 
@@ -2160,24 +2164,61 @@ struct FinalOutput {
 
 // out[m, n0 + r] = c[r, m] for r < rows, m < M (out fp32, rows ldo apart), or into
 // `final` (not null) with its bias and rounding.
+#if defined(TORCH_BQ_AVX512)
+// dst[0, n) = src[0, n), 64 bytes at a time (a row segment of the output: no libc call per row).
+inline void copy_bytes(void* dst, const void* src, int64_t n) {
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) _mm512_storeu_si512(d + i, _mm512_loadu_si512(s + i));
+  if (i < n) {
+    const __mmask64 m = (uint64_t(1) << (n - i)) - 1;
+    _mm512_mask_storeu_epi8(d + i, m, _mm512_maskz_loadu_epi8(m, s + i));
+  }
+}
+#endif
+
 inline void store_transposed(const float* c, int64_t rows, int64_t M, float* out, int64_t ldo, int64_t n0,
                              const FinalOutput* final) {
   int64_t r0 = 0;
 #if defined(TORCH_BQ_AVX512)
-  for (; r0 + 16 <= rows; r0 += 16) {
+  // 16 output rows at a time: the 16 x 16 transposes of up to kSlab columns go to a
+  // row-major buffer in L1, then each row's segment is copied whole. Written straight
+  // from the transposes, each cache line of a row would be filled by two 32-byte stores
+  // far apart in time, with the rows N elements apart (the same L1 set for N = 4096) in
+  // between, and fetched again for the second.
+  constexpr int64_t kSlab = 128;
+  alignas(64) float buffer[16 * kSlab];
+  const int64_t full = rows / 16 * 16;
+  const int64_t esize = final != nullptr ? static_cast<int64_t>(c10::elementSize(final->dtype)) : 4;
+  for (int64_t s0 = 0; s0 < full; s0 += kSlab) {
+    const int64_t width = std::min(kSlab, full - s0);
+    FinalOutput staged;  // put16 into the buffer: rows `width` elements apart
+    if (final != nullptr)
+      staged = {buffer, final->dtype, final->bias != nullptr ? final->bias + n0 + s0 : nullptr, width};
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
       const int64_t cols = std::min<int64_t>(16, M - m0);
       const __mmask16 valid = cols == 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
-      __m512i v[16];
-      for (int i = 0; i < 16; ++i) v[i] = _mm512_maskz_loadu_epi32(valid, c + (r0 + i) * M + m0);
-      transpose16(v);
-      if (final != nullptr) {
-        for (int64_t j = 0; j < cols; ++j) final->put16(m0 + j, n0 + r0, _mm512_castsi512_ps(v[j]));
-      } else {
-        for (int64_t j = 0; j < cols; ++j) _mm512_storeu_si512(out + (m0 + j) * ldo + n0 + r0, v[j]);
+      for (int64_t q = 0; q < width; q += 16) {
+        __m512i v[16];
+        for (int i = 0; i < 16; ++i) v[i] = _mm512_maskz_loadu_epi32(valid, c + (s0 + q + i) * M + m0);
+        transpose16(v);
+        if (final != nullptr) {
+          for (int64_t j = 0; j < cols; ++j) staged.put16(j, q, _mm512_castsi512_ps(v[j]));
+        } else {
+          for (int64_t j = 0; j < cols; ++j) _mm512_store_si512(buffer + j * width + q, v[j]);
+        }
+      }
+      for (int64_t j = 0; j < cols; ++j) {
+        const char* src = reinterpret_cast<const char*>(buffer) + j * width * esize;
+        if (final != nullptr)
+          copy_bytes(static_cast<char*>(final->data) + ((m0 + j) * final->N + n0 + s0) * esize, src, width * esize);
+        else
+          copy_bytes(out + (m0 + j) * ldo + n0 + s0, src, width * 4);
       }
     }
   }
+  r0 = full;
 #endif
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t r = r0; r < rows; ++r) {
@@ -2191,13 +2232,14 @@ inline void store_transposed(const float* c, int64_t rows, int64_t M, float* out
 
 // out[:, n_begin:n_end] for one task: groups of `group` weight rows one after
 // the other, each over all of K. With bf16_ok (A allows it), each K chunk of a
-// group whose weights allow it too runs the bf16 microkernel, the others the
-// fp32 one; both accumulate into the group's fp32 C^T. On the bf16 path the
-// panel that comes next (the group's next chunk, or the next group's first)
-// is decoded while this one is multiplied (a PanelJob's steps inside the
-// register tiles, where the Rows type has one for that chunk), into the other
-// of two panel buffers; the task's first panel, and panels whose job does not
-// apply, are decoded on their own.
+// group whose weights allow it too runs the bf16 microkernel, the others (and
+// every chunk after one of those in the group) the fp32 one; both accumulate
+// into the group's fp32 C^T. On the bf16 path the panel that comes next (the
+// group's next chunk, or the next group's first) is decoded while this one is
+// multiplied (a PanelJob's steps inside the register tiles, where the Rows type
+// has one for that chunk), into the other of two panel buffers (or, for weights
+// read in place, only scanned for its bound); the task's first panel, and
+// panels whose job does not apply, are decoded (or scanned) on their own.
 template <class Rows>
 void gemm_task(const Rows& wr, GemmOperands& ops, int64_t n_begin, int64_t n_end, int64_t group, bool bf16_ok,
                float* out, int64_t N, const FinalOutput* final) {
@@ -2343,11 +2385,10 @@ bool prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t pane
     ops.a32 = A;
     bool bf16 = false;
 #if defined(TORCH_BQ_AVX512_BF16)
-    ops.a_bits = activation_low_bits(A.data_ptr<float>(), A.numel());
-    bf16 = !ops.a_bits.subnormal && bf16_brgemm_works();
-    if (bf16) {
+    if (bf16_brgemm_works()) {
       ops.Kp = ops.K + (ops.K & 1);
-      ops.apack = pack_activation(A, ops.Kp / 2);
+      ops.apack = pack_activation(A, ops.Kp / 2, ops.a_bits);
+      bf16 = !ops.a_bits.subnormal;
     }
 #endif
 #if defined(TORCH_BQ_AVX512_BF16)
