@@ -1393,8 +1393,7 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 // DenseRows<T>) with: chunk_align() (K chunks hold whole multiples of it),
 // fp32(n, k0, k1, dst) (dequantized row n, elements [k0, k1)), bf16(n, k0,
 // k1, dst16, scratch) -> LowBits (the same as bf16 bits, exact whenever the
-// returned bound says normal), and bytes_of(n, rows, k0, k1) (the stored
-// bytes of those elements, for the prefetch); optionally PanelJob /
+// returned bound says normal); optionally PanelJob /
 // panel_job (the bf16 panel decode cut into steps), and in_place(n, k0) with
 // scan(n, k0, k1) (bf16 weights the tiles read where they lie, and their bound).
 
@@ -1498,25 +1497,6 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 #endif
-
-// Cache lines of `rows` rows (`stride` bytes apart) of `bytes` bytes each, to
-// be prefetched into L2 a few at a time.
-struct PrefetchPlan {
-  const char* base = nullptr;
-  int64_t stride = 0, rows = 0, row_lines = 0, done = 0;
-  PrefetchPlan() = default;
-  PrefetchPlan(const void* first, int64_t stride_, int64_t rows_, int64_t bytes)
-      : base(static_cast<const char*>(first)), stride(stride_), rows(rows_), row_lines((bytes + 63) / 64) {}
-  int64_t lines() const { return rows * row_lines; }
-  void issue(int64_t count) {
-#if defined(TORCH_BQ_AVX2)
-    for (const int64_t end = std::min(lines(), done + count); done < end; ++done)
-      _mm_prefetch(base + done / row_lines * stride + done % row_lines * 64, _MM_HINT_T1);
-#else
-    (void)count;
-#endif
-  }
-};
 
 #if defined(TORCH_BQ_AVX512_BF16)
 // The bf16 microkernel (vdpbf16ps). A register tile holds C^T[r0 : r0 + NR,
@@ -1678,16 +1658,14 @@ inline DotTile<NoJob> partial_dot_tile(int nr, int mv) {
 // C^T[rows, M] (+)= panel[rows, 2 kp] x A^T[pairs p0 .. p0 + kp) with the packed A; panel
 // rows are ws pairs apart (kp for a decoded panel, K / 2 for bf16 weights read in place).
 // Meanwhile `job` (null: none) decodes the next panel, its steps shared out
-// over the full register tiles (any left run at the end), and the weight bytes
-// a later panel will decode are prefetched into L2 (`next`), spread over the
-// register tiles: short row streams at a stride of K do not train the
-// hardware prefetchers, and a decode that waits on memory would stall.
+// over the full register tiles (any left run at the end). (A software prefetch
+// of the panel after next into L2, a share of its lines issued before each
+// register tile, cost 1-5% at every shape measured once the steps prefetch
+// the next row themselves: removed.)
 template <class Job>
 void dot_chunk(const uint16_t* panel, int64_t ws, int64_t rows, const uint32_t* apack, int64_t kp2, int64_t p0,
-               int64_t kp, int64_t M, float* c, bool accumulate, PrefetchPlan next, Job* job, int64_t steps) {
+               int64_t kp, int64_t M, float* c, bool accumulate, Job* job, int64_t steps) {
   const int64_t blocks = (M + kDotBlock - 1) / kDotBlock;
-  const int64_t calls = blocks * ((rows + kDotRows - 1) / kDotRows);
-  const int64_t quota = (next.lines() + calls - 1) / calls;
   int64_t job_calls = job == nullptr ? 0 : blocks * (rows / kDotRows);
   for (int64_t m0 = 0; m0 < M; m0 += kDotBlock) {
     const int64_t width = packed_block_width(M, m0), cols = std::min(kDotBlock, M - m0);
@@ -1695,7 +1673,6 @@ void dot_chunk(const uint16_t* panel, int64_t ws, int64_t rows, const uint32_t* 
     const __mmask16 tail = cols % 16 == 0 ? __mmask16(0xFFFF) : __mmask16((1u << (cols % 16)) - 1);
     const uint32_t* a = apack + m0 * kp2 + p0 * width;
     for (int64_t r0 = 0; r0 < rows; r0 += kDotRows) {
-      next.issue(quota);
       const uint16_t* w = panel + 2 * r0 * ws;
       float* ct = c + r0 * M + m0;
       if (rows - r0 < kDotRows) {
@@ -1831,11 +1808,6 @@ template <class Fmt, class S>
 struct QuantizedRows {
   const WeightView& w;
   int64_t chunk_align() const { return w.bk; }  // chunks hold whole scale blocks
-  // The stored bytes of elements [k0, k1) of rows [n, n + rows) (k0 a block start).
-  PrefetchPlan bytes_of(int64_t n, int64_t rows, int64_t k0, int64_t k1) const {
-    const int64_t b0 = Fmt::row_bytes(k0);
-    return {w.data + n * w.row_stride + b0, w.row_stride, rows, Fmt::row_bytes(k1) - b0};
-  }
   // Dequantize elements [k0, k1) (k0 a block start) of row n into dst[0, k1 - k0).
   void fp32(int64_t n, int64_t k0, int64_t k1, float* dst) const {
     const uint8_t* row = w.data + n * w.row_stride;
@@ -1966,9 +1938,6 @@ struct DenseRows {
   const T* data;
   int64_t K;
   int64_t chunk_align() const { return 1; }
-  PrefetchPlan bytes_of(int64_t n, int64_t rows, int64_t k0, int64_t k1) const {
-    return {data + n * K + k0, static_cast<int64_t>(K * sizeof(T)), rows, static_cast<int64_t>((k1 - k0) * sizeof(T))};
-  }
   static uint16_t bf16_of(T v) {
     if constexpr (std::is_same_v<T, float>) {
       return bf16_rne(v);
@@ -2109,12 +2078,6 @@ inline int64_t chunk_elems(int64_t align) {
 #endif
   return std::max<int64_t>(step, target / step * step);
 }
-
-// Whether a Rows type can say where its stored bytes are (bytes_of; optional: no prefetch without it).
-template <class R, class = void>
-struct has_bytes_of : std::false_type {};
-template <class R>
-struct has_bytes_of<R, std::void_t<decltype(std::declval<const R&>().bytes_of(0, 0, 0, 0))>> : std::true_type {};
 
 // Whether a Rows type can have its bf16 weights multiplied where they lie (in_place; optional).
 template <class R, class = void>
@@ -2297,23 +2260,12 @@ void gemm_task(const Rows& wr, GemmOperands& ops, int64_t n_begin, int64_t n_end
         chunk_bf16 = all_bf16 && !bits.subnormal && ops.a_bits.low_bit + bits.low_bit >= -126;
         if (chunk_bf16) {
           // The panel after this one: the next chunk of these rows, else the next rows' first
-          // (past the task: the rows after it, only to prefetch), and the one after that.
+          // (none past the task).
           struct Panel {
             int64_t n0, rows, k0, k1;
           };
-          auto after = [&](const Panel& q) {
-            if (q.k1 < K) return Panel{q.n0, q.rows, q.k1, std::min(K, q.k1 + kc)};
-            const int64_t next = q.n0 + q.rows;
-            return Panel{next, std::min(group, N - next), 0, std::min(K, kc)};
-          };
-          auto prefetch = [&](const Panel& q) {
-            PrefetchPlan plan;
-            if constexpr (has_bytes_of<Rows>::value) {
-              if (q.rows > 0) plan = wr.bytes_of(q.n0, q.rows, q.k0, q.k1);
-            }
-            return plan;
-          };
-          const Panel next = after(Panel{n0, rows, k0, k1});
+          const Panel next = k1 < K ? Panel{n0, rows, k1, std::min(K, k1 + kc)}
+                                    : Panel{n0 + rows, std::min(group, n_end - n0 - rows), 0, std::min(K, kc)};
           const uint32_t* apack = reinterpret_cast<const uint32_t*>(ops.apack.data_ptr<int32_t>());
           bool fused = false;
           if constexpr (has_panel_job<Rows>::value) {
@@ -2321,15 +2273,13 @@ void gemm_task(const Rows& wr, GemmOperands& ops, int64_t n_begin, int64_t n_end
             const int64_t npadded = (next.k1 - next.k0) + ((next.k1 - next.k0) & 1);
             uint16_t* np = buf.panel16.data() + ((panels + 1) & 1) * half;
             if (next.n0 < n_end && wr.panel_job(next.n0, next.rows, next.k0, next.k1, np, npadded, job)) {
-              dot_chunk(panel, ws, rows, apack, ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0, prefetch(after(next)),
-                        &job, job.steps());
+              dot_chunk(panel, ws, rows, apack, ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0, &job, job.steps());
               decoded_bits = job.bits();
               fused = decoded = true;
             }
           }
           if (!fused)
-            dot_chunk<NoJob>(panel, ws, rows, apack, ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0, prefetch(next),
-                             nullptr, 0);
+            dot_chunk<NoJob>(panel, ws, rows, apack, ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0, nullptr, 0);
         }
         ++panels;
       }
