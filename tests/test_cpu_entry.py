@@ -413,3 +413,28 @@ def test_modules_find_their_tensors_wherever_they_are_registered():
         module.bias = torch.nn.Parameter(bias.clone(), requires_grad=False)
         assert "bias" not in module._buffers
         assert torch.equal(module(x), expected)
+
+
+@pytest.mark.skipif(not python_headers(), reason="the libraries are Python modules only when built with Python.h")
+def test_eager_calls_take_the_python_modules_direct_entries(monkeypatch):
+    # The point of the module is to skip torch.ops: the public ops and the modules must call
+    # its direct entries (the profiler cannot tell: both record the entry op's name).
+    torch.manual_seed(0)
+    w = torch.randn(48, 64)
+    w8, s8 = formats.quantize_fp8(w)
+    w4, s4 = formats.quantize_fp4(w)
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    kernels = _backend.cpu_kernels()
+    direct8, direct4 = fast.direct_entries(kernels)
+    calls = []
+
+    def recording(name, fn):
+        def call(*args):
+            calls.append(name)
+            return fn(*args)
+        return call
+
+    monkeypatch.setitem(fast._direct_entries, id(kernels), (recording("fp8", direct8), recording("fp4", direct4)))
+    ops.fp8_linear(x, w8, s8), bqnn.FP8Linear.from_quantized(w8, s8)(x)
+    ops.fp4_linear(x, w4, s4), bqnn.FP4Linear.from_quantized(w4, s4)(x)
+    assert calls == ["fp8", "fp8", "fp4", "fp4"]
