@@ -2125,8 +2125,6 @@ struct FinalOutput {
 #endif
 };
 
-// out[m, n0 + r] = c[r, m] for r < rows, m < M (out fp32, rows ldo apart), or into
-// `final` (not null) with its bias and rounding.
 #if defined(TORCH_BQ_AVX512)
 // dst[0, n) = src[0, n), 64 bytes at a time (a row segment of the output: no libc call per row).
 inline void copy_bytes(void* dst, const void* src, int64_t n) {
@@ -2141,6 +2139,8 @@ inline void copy_bytes(void* dst, const void* src, int64_t n) {
 }
 #endif
 
+// out[m, n0 + r] = c[r, m] for r < rows, m < M (out fp32, rows ldo apart), or into
+// `final` (not null) with its bias and rounding.
 inline void store_transposed(const float* c, int64_t rows, int64_t M, float* out, int64_t ldo, int64_t n0,
                              const FinalOutput* final) {
   int64_t r0 = 0;
@@ -2246,6 +2246,8 @@ void gemm_task(const Rows& wr, GemmOperands& ops, int64_t n_begin, int64_t n_end
         };
         if (decoded) {
           bits = decoded_bits;
+        } else if (!all_bf16) {
+          // the group is on the fp32 microkernel for the rest of K (below): no bf16 panel
         } else if (panel != p) {
           if constexpr (has_in_place<Rows>::value)
             for (int64_t r = 0; r < rows; ++r) merge(wr.scan(n0 + r, k0, k1));
