@@ -1777,8 +1777,9 @@ struct QuantPanelJob {
   LowBits bits() const { return low; }
   void step() {
     if (j == 0) srow = scales + (n / bn) * scale_stride + kb0;
-    // The next row's bytes at this position, a row of steps ahead: the first
-    // job of a task reads a chunk no earlier panel prefetched.
+    // The next row's bytes at this position, a row of steps ahead (the only
+    // software prefetch of the weights: short row streams at a stride of K
+    // train the hardware prefetchers late).
     if (n + 1 < n_end) _mm_prefetch(reinterpret_cast<const char*>(row + row_stride + Fmt::row_bytes(32 * j)), _MM_HINT_T0);
     __m512i v;
     if constexpr (std::is_same_v<Fmt, Fp8Format>) {
