@@ -1778,8 +1778,7 @@ struct QuantPanelJob {
   void step() {
     if (j == 0) srow = scales + (n / bn) * scale_stride + kb0;
     // The next row's bytes at this position, a row of steps ahead (the only
-    // software prefetch of the weights: short row streams at a stride of K
-    // train the hardware prefetchers late).
+    // software prefetch of the weights left).
     if (n + 1 < n_end) _mm_prefetch(reinterpret_cast<const char*>(row + row_stride + Fmt::row_bytes(32 * j)), _MM_HINT_T0);
     __m512i v;
     if constexpr (std::is_same_v<Fmt, Fp8Format>) {
