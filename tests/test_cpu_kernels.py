@@ -446,6 +446,72 @@ def test_bf16_prefill_decodes_the_next_panel_inside_the_multiply(block, threads,
         assert_linear_close(y4, x.to(torch.bfloat16), formats.dequantize_fp4(p, s4, k, torch.float32))
 
 
+@pytest.mark.skipif("avx512_bf16" not in LEVELS, reason="needs a CPU with AVX512_BF16")
+def test_bf16_chunks_after_an_fp32_chunk_keep_its_subnormal_partial_sums():
+    """A chunk that takes the fp32 microkernel can leave subnormal partial sums in C^T, which a
+    later bf16 chunk's vdpbf16ps would read as zero: once a row group has run an fp32 chunk, its
+    later chunks run fp32 too. Rows whose only nonzero weights are in chunk 0 and tiny (products
+    below 2**-126), two chunks: flushed, their outputs would be 0 against exact values of 1e-39."""
+    level = "avx512_bf16"
+    rows = _backend.cpu_kernels(level).prefill_task_rows()
+    torch.manual_seed(5)
+    k = 2048
+    x = torch.randn(fast.DECODE_MAX_M[level]["fp8"] + 4, k)
+    data, codes = formats.quantize_fp8(torch.randn(rows, k), (32, 32), torch.uint8)
+    data = data.view(torch.uint8).clone()
+    data[:32] = 0
+    data[:32, :1024] = torch.randint(1, 8, (32, 1024), dtype=torch.uint8)  # e4m3 subnormals 1..7 * 2**-9
+    codes = codes.clone()
+    codes[0, :32] = 1  # times 2**-126
+    before = prefill_counts(level)
+    y = FP8[level](x, data, codes, None, [32, 32], False, 224.0, torch.float32)
+    assert (prefill_counts(level) - before)[:2].tolist() == [0, 1]
+    assert_linear_close(y, x.to(torch.bfloat16), formats.dequantize_fp8(data, codes, (32, 32), torch.float32))
+    w = torch.randn(rows, k)
+    w[8:16] = 0
+    w[8:16, :1024] = torch.randn(8, 1024) * 2.0**-130  # bf16 subnormals
+    y = BF16[level](x, w.to(torch.bfloat16), None, torch.float32)
+    assert_linear_close(y, x.to(torch.bfloat16), w.to(torch.bfloat16))
+
+
+@pytest.mark.skipif("avx512_bf16" not in LEVELS, reason="the CPU has no AVX-512 BF16")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("k", [4 * 1024 + 64, 4 * 1024 + 66, 4 * 1024 + 65])
+def test_bf16_weights_multiplied_in_place_are_scanned_a_chunk_ahead(k, threads):
+    """bf16 weights with an even K are read by the register tiles where they lie (no panel copy);
+    each chunk's subnormal bound comes from a scan: by steps inside the previous chunk's tiles (the
+    next chunk of the group, or the next group's first) where the chunk holds whole 32-element
+    units, on its own otherwise (a task's first panel, a last chunk of 66). Odd K copies panels.
+    Three row groups hold weights that are zero except for bf16 subnormals in one chunk each (the
+    task's first group in chunk 1, a later group in its first chunk, another in the last, partial,
+    chunk): flushed to zero by vdpbf16ps they would miss the derived bound, so each group must take
+    the fp32 microkernel, and only those three."""
+    level = "avx512_bf16"
+    rows = _backend.cpu_kernels(level).prefill_task_rows()
+    groups = 33  # tasks of 4 row groups (1 thread) or 2 (2 threads)
+    n = (groups - 1) * rows + 5
+    torch.manual_seed(k + threads)
+    w = torch.randn(n, k)
+    last = 4 * 1024
+    for group, (k0, k1) in ((0, (1024, 2048)), (5, (0, 1024)), (9, (last, k))):
+        tiny = w[group * rows + 8 : group * rows + 16]
+        tiny.zero_()
+        tiny[:, k0:k1] = torch.randn(8, k1 - k0) * 2.0**-130  # bf16 subnormals
+    w = w.to(torch.bfloat16)
+    assert (w[8:16, 1024:2048] != 0).any() and (w[8:16, 1024:2048].abs() < 2.0**-126).all()
+    x = torch.randn(2 * 64 + 3, k)  # past DECODE_MAX_M; a 3-row last A block
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        before = prefill_counts(level)
+        y = BF16[level](x, w, None, torch.float32)
+        counts = (prefill_counts(level) - before)[:2].tolist()
+    finally:
+        torch.set_num_threads(previous_threads)
+    assert_linear_close(y, x.to(torch.bfloat16), w)
+    assert counts == [groups - 3, 3]
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_prefill_panels_do_not_shrink_with_large_k(level):
     """K = 33024: a 4 MiB fp32 budget would give 31-row panels; they stay at 64 rows (at::mm path)

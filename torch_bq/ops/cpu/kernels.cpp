@@ -1353,11 +1353,13 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 // columns n0 .. n0 + Nt; Nt = kDotTaskRows with AVX512_BF16, else kTileRows)
 // and computes each for all M rows of A, K chunk by K chunk:
 //   for each group, for k-chunk (kc elements, whole scale blocks; kc does not depend on K):
-//     panel[Nt, kc] = dequantize(W[n0:n0+Nt, k-chunk])        (L2-resident)
+//     panel[Nt, kc] = dequantize(W[n0:n0+Nt, k-chunk])        (L2-resident; bf16 W
+//                                                              with K even: W itself)
 //     C^T[Nt, M] (+)= panel x A^T[k-chunk, :]                 (fp32 accumulators)
 //   out[:, n0:n0+Nt] = (C^T)^T       (or round((C^T)^T + bias) into the op's output)
 // With AVX512_BF16 the next panel of the task (next chunk, or the next group's
-// first) is decoded during the current chunk's multiply (PanelJob, dot_tile).
+// first) is decoded during the current chunk's multiply (PanelJob, dot_tile);
+// for bf16 weights read in place the job only scans it for the subnormal bound.
 // The GEMM of a chunk is single-threaded inside each task: the tasks are the
 // only parallelism, so no GEMM-internal barrier waits for a descheduled
 // thread. Accumulation is fp32 over the whole of K (C^T is fp32 and
@@ -1379,7 +1381,9 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 //   occur: A and the chunk's weights hold no subnormal and the product of
 //   their lowest set bits is at least 2**-126 (every product, and every fp32
 //   partial sum of them, is then a multiple of that quantum: zero or
-//   normal). Other chunks run the fp32 microkernel into the same C^T.
+//   normal). Other chunks run the fp32 microkernel into the same C^T, and so
+//   do the later chunks of their row group (its partial sums may now be
+//   subnormal, and vdpbf16ps would read its accumulators as zero).
 // * fp32 x fp32 -> fp32: oneDNN's brgemm microkernel
 //   (at::native::cpublas::brgemm) on fp32 panels with kTileCols-row slices of
 //   A^T (AVX2 / AVX-512 builds, fp32 scales, and the chunks above).
@@ -1389,8 +1393,9 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 // DenseRows<T>) with: chunk_align() (K chunks hold whole multiples of it),
 // fp32(n, k0, k1, dst) (dequantized row n, elements [k0, k1)), bf16(n, k0,
 // k1, dst16, scratch) -> LowBits (the same as bf16 bits, exact whenever the
-// returned bound says normal), and bytes_of(n, rows, k0, k1) (the stored
-// bytes of those elements, for the prefetch).
+// returned bound says normal); optionally PanelJob /
+// panel_job (the bf16 panel decode cut into steps), and in_place(n, k0) with
+// scan(n, k0, k1) (bf16 weights the tiles read where they lie, and their bound).
 
 // Tiles run per microkernel since load: bf16, fp32, at::mm panels (tests read
 // them through the prefill_counts op to see which path a call took).
@@ -1408,36 +1413,24 @@ struct LowBits {
   bool subnormal;    // some nonzero element is an fp32/bf16 subnormal
 };
 
-// A row-major fp32 [M, K] of bf16-exact values: from the exponent fields.
-inline LowBits activation_low_bits(const float* a, int64_t count) {
-  uint32_t min_exp = 255;
-  bool subnormal = false;
-  int64_t i = 0;
 #if defined(TORCH_BQ_AVX512)
-  {
-    // 16 at a time: the smallest exponent field among nonzero elements, and whether one is 0.
-    __m512i low = _mm512_set1_epi32(255);
-    __mmask16 tiny = 0;
-    for (; i + 16 <= count; i += 16) {
-      const __m512i mag = _mm512_and_si512(_mm512_loadu_si512(a + i), _mm512_set1_epi32(0x7FFFFFFF));
-      const __mmask16 nonzero = _mm512_test_epi32_mask(mag, mag);
-      const __m512i e = _mm512_srli_epi32(mag, 23);
-      tiny |= _mm512_mask_cmpeq_epi32_mask(nonzero, e, _mm512_setzero_si512());
-      low = _mm512_mask_min_epu32(low, nonzero, low, e);
-    }
-    min_exp = static_cast<uint32_t>(_mm512_reduce_min_epu32(low));
-    subnormal = tiny != 0;
-  }
-#endif
-  for (; i < count; ++i) {
-    const uint32_t b = bits_from_f32(a[i]) & 0x7FFFFFFFu;
-    const uint32_t e = b >> 23;
-    subnormal |= (e == 0) & (b != 0);
-    min_exp = std::min(min_exp, b == 0 ? 255u : e);
+// The bound of fp32 values that are bf16-exact, 16 at a time (the activation's, taken while
+// pack_activation converts it): the smallest exponent field among nonzero elements, and
+// whether one of them is subnormal (exponent field 0).
+struct ActivationScan {
+  __m512i low = _mm512_set1_epi32(255);
+  __mmask16 tiny = 0;
+  void add(__m512 x) {
+    const __m512i mag = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF));
+    const __mmask16 nonzero = _mm512_test_epi32_mask(mag, mag);
+    const __m512i e = _mm512_srli_epi32(mag, 23);
+    tiny |= _mm512_mask_testn_epi32_mask(nonzero, e, e);
+    low = _mm512_mask_min_epu32(low, nonzero, low, e);
   }
   // A bf16-exact value with biased exponent e has its lowest bit >= 2**(e - 127 - 7).
-  return {static_cast<int>(min_exp) - 134, subnormal};
-}
+  LowBits bits() const { return {static_cast<int>(_mm512_reduce_min_epu32(low)) - 134, tiny != 0}; }
+};
+#endif
 
 // The A operands a call's microkernels read, built once per call.
 struct GemmOperands {
@@ -1505,25 +1498,6 @@ inline void transpose16(__m512i r[16]) {
 }
 #endif
 
-// Cache lines of `rows` rows (`stride` bytes apart) of `bytes` bytes each, to
-// be prefetched into L2 a few at a time.
-struct PrefetchPlan {
-  const char* base = nullptr;
-  int64_t stride = 0, rows = 0, row_lines = 0, done = 0;
-  PrefetchPlan() = default;
-  PrefetchPlan(const void* first, int64_t stride_, int64_t rows_, int64_t bytes)
-      : base(static_cast<const char*>(first)), stride(stride_), rows(rows_), row_lines((bytes + 63) / 64) {}
-  int64_t lines() const { return rows * row_lines; }
-  void issue(int64_t count) {
-#if defined(TORCH_BQ_AVX2)
-    for (const int64_t end = std::min(lines(), done + count); done < end; ++done)
-      _mm_prefetch(base + done / row_lines * stride + done % row_lines * 64, _MM_HINT_T1);
-#else
-    (void)count;
-#endif
-  }
-};
-
 #if defined(TORCH_BQ_AVX512_BF16)
 // The bf16 microkernel (vdpbf16ps). A register tile holds C^T[r0 : r0 + NR,
 // m0 : m0 + 16 MV] as NR x MV vectors of 16 A rows: per pair of K elements it
@@ -1557,8 +1531,10 @@ inline int64_t packed_block_width(int64_t M, int64_t m0) {
 
 // bf16 pairs of A^T (A fp32 [M, K] of bf16-exact values, so the conversion is
 // exact): 16 rows x 32 elements at a time, converted to 16 x 16 pairs and
-// transposed. Rows past M and elements past K are zero.
-at::Tensor pack_activation(const at::Tensor& A, int64_t kp2) {
+// transposed. Rows past M and elements past K are zero. `bits` gets A's bound,
+// taken from the same loads (vcvtne2ps2bf16 flushes subnormals: the packed copy
+// is exact only where bits.subnormal is false).
+at::Tensor pack_activation(const at::Tensor& A, int64_t kp2, LowBits& bits) {
   const int64_t M = A.size(0), K = A.size(1);
   const int64_t blocks = (M + kDotBlock - 1) / kDotBlock;
   const int64_t total = (blocks - 1) * kDotBlock + packed_block_width(M, (blocks - 1) * kDotBlock);
@@ -1567,7 +1543,9 @@ at::Tensor pack_activation(const at::Tensor& A, int64_t kp2) {
   int32_t* dst = packed.data_ptr<int32_t>();
   constexpr int64_t kPairsPerTask = 512;  // a multiple of 16
   const int64_t spans = (kp2 + kPairsPerTask - 1) / kPairsPerTask;
+  std::vector<LowBits> task_bits(blocks * spans);
   run_tasks(blocks * spans, [&](int64_t t) {
+    ActivationScan scan;
     const int64_t m0 = t / spans * kDotBlock, width = packed_block_width(M, m0);
     const int64_t p0 = t % spans * kPairsPerTask, p1 = std::min(kp2, p0 + kPairsPerTask);
     int32_t* block = dst + m0 * kp2;
@@ -1584,14 +1562,20 @@ at::Tensor pack_activation(const at::Tensor& A, int64_t kp2) {
             continue;
           }
           const float* row = a + m * K + k;
-          r[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, row + 16), _mm512_maskz_loadu_ps(lo, row));
+          const __m512 x0 = _mm512_maskz_loadu_ps(lo, row), x1 = _mm512_maskz_loadu_ps(hi, row + 16);
+          scan.add(x0);
+          scan.add(x1);
+          r[i] = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
         }
         transpose16(r);
         const int64_t n = std::min<int64_t>(16, p1 - p);
         for (int64_t j = 0; j < n; ++j) _mm512_storeu_si512(block + (p + j) * width + g, r[j]);
       }
     }
+    task_bits[t] = scan.bits();
   });
+  bits = {std::numeric_limits<int>::max(), false};
+  for (const LowBits& b : task_bits) bits = {std::min(bits.low_bit, b.low_bit), bits.subnormal || b.subnormal};
   return packed;
 }
 
@@ -1671,18 +1655,17 @@ inline DotTile<NoJob> partial_dot_tile(int nr, int mv) {
   }
 }
 
-// C^T[rows, M] (+)= panel[rows, 2 kp] x A^T[pairs p0 .. p0 + kp) with the packed A.
+// C^T[rows, M] (+)= panel[rows, 2 kp] x A^T[pairs p0 .. p0 + kp) with the packed A; panel
+// rows are ws pairs apart (kp for a decoded panel, K / 2 for bf16 weights read in place).
 // Meanwhile `job` (null: none) decodes the next panel, its steps shared out
-// over the full register tiles (any left run at the end), and the weight bytes
-// a later panel will decode are prefetched into L2 (`next`), spread over the
-// register tiles: short row streams at a stride of K do not train the
-// hardware prefetchers, and a decode that waits on memory would stall.
+// over the full register tiles (any left run at the end). (A software prefetch
+// of the panel after next into L2, a share of its lines issued before each
+// register tile, cost 1-5% at every shape measured once the steps prefetch
+// the next row themselves: removed.)
 template <class Job>
-void dot_chunk(const uint16_t* panel, int64_t rows, const uint32_t* apack, int64_t kp2, int64_t p0, int64_t kp,
-               int64_t M, float* c, bool accumulate, PrefetchPlan next, Job* job, int64_t steps) {
+void dot_chunk(const uint16_t* panel, int64_t ws, int64_t rows, const uint32_t* apack, int64_t kp2, int64_t p0,
+               int64_t kp, int64_t M, float* c, bool accumulate, Job* job, int64_t steps) {
   const int64_t blocks = (M + kDotBlock - 1) / kDotBlock;
-  const int64_t calls = blocks * ((rows + kDotRows - 1) / kDotRows);
-  const int64_t quota = (next.lines() + calls - 1) / calls;
   int64_t job_calls = job == nullptr ? 0 : blocks * (rows / kDotRows);
   for (int64_t m0 = 0; m0 < M; m0 += kDotBlock) {
     const int64_t width = packed_block_width(M, m0), cols = std::min(kDotBlock, M - m0);
@@ -1690,18 +1673,17 @@ void dot_chunk(const uint16_t* panel, int64_t rows, const uint32_t* apack, int64
     const __mmask16 tail = cols % 16 == 0 ? __mmask16(0xFFFF) : __mmask16((1u << (cols % 16)) - 1);
     const uint32_t* a = apack + m0 * kp2 + p0 * width;
     for (int64_t r0 = 0; r0 < rows; r0 += kDotRows) {
-      next.issue(quota);
-      const uint16_t* w = panel + 2 * r0 * kp;
+      const uint16_t* w = panel + 2 * r0 * ws;
       float* ct = c + r0 * M + m0;
       if (rows - r0 < kDotRows) {
-        partial_dot_tile(static_cast<int>(rows - r0), mv)(w, kp, a, width, kp, ct, M, accumulate, tail, nullptr, 0);
+        partial_dot_tile(static_cast<int>(rows - r0), mv)(w, ws, a, width, kp, ct, M, accumulate, tail, nullptr, 0);
       } else if (job_calls > 0) {
         const int64_t share = (steps + job_calls - 1) / job_calls;
-        dot_tile_for<kDotRows, Job>(mv)(w, kp, a, width, kp, ct, M, accumulate, tail, job, share);
+        dot_tile_for<kDotRows, Job>(mv)(w, ws, a, width, kp, ct, M, accumulate, tail, job, share);
         steps -= share;
         --job_calls;
       } else {
-        dot_tile_for<kDotRows, NoJob>(mv)(w, kp, a, width, kp, ct, M, accumulate, tail, nullptr, 0);
+        dot_tile_for<kDotRows, NoJob>(mv)(w, ws, a, width, kp, ct, M, accumulate, tail, nullptr, 0);
       }
     }
   }
@@ -1795,8 +1777,8 @@ struct QuantPanelJob {
   LowBits bits() const { return low; }
   void step() {
     if (j == 0) srow = scales + (n / bn) * scale_stride + kb0;
-    // The next row's bytes at this position, a row of steps ahead: the first
-    // job of a task reads a chunk no earlier panel prefetched.
+    // The next row's bytes at this position, a row of steps ahead (the only
+    // software prefetch of the weights left).
     if (n + 1 < n_end) _mm_prefetch(reinterpret_cast<const char*>(row + row_stride + Fmt::row_bytes(32 * j)), _MM_HINT_T0);
     __m512i v;
     if constexpr (std::is_same_v<Fmt, Fp8Format>) {
@@ -1826,11 +1808,6 @@ template <class Fmt, class S>
 struct QuantizedRows {
   const WeightView& w;
   int64_t chunk_align() const { return w.bk; }  // chunks hold whole scale blocks
-  // The stored bytes of elements [k0, k1) of rows [n, n + rows) (k0 a block start).
-  PrefetchPlan bytes_of(int64_t n, int64_t rows, int64_t k0, int64_t k1) const {
-    const int64_t b0 = Fmt::row_bytes(k0);
-    return {w.data + n * w.row_stride + b0, w.row_stride, rows, Fmt::row_bytes(k1) - b0};
-  }
   // Dequantize elements [k0, k1) (k0 a block start) of row n into dst[0, k1 - k0).
   void fp32(int64_t n, int64_t k0, int64_t k1, float* dst) const {
     const uint8_t* row = w.data + n * w.row_stride;
@@ -1961,9 +1938,6 @@ struct DenseRows {
   const T* data;
   int64_t K;
   int64_t chunk_align() const { return 1; }
-  PrefetchPlan bytes_of(int64_t n, int64_t rows, int64_t k0, int64_t k1) const {
-    return {data + n * K + k0, static_cast<int64_t>(K * sizeof(T)), rows, static_cast<int64_t>((k1 - k0) * sizeof(T))};
-  }
   static uint16_t bf16_of(T v) {
     if constexpr (std::is_same_v<T, float>) {
       return bf16_rne(v);
@@ -1990,11 +1964,13 @@ struct DenseRows {
   struct Scan {
     __m512i low = _mm512_set1_epi16(255);
     __mmask32 tiny = 0;
+    // No constant operands: inside the register tiles (ScanJob) every spare register is
+    // taken by accumulators, and one more would make GCC spill them around each step.
     void add(__m512i v) {
-      const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi16(0x7FFF));
+      const __m512i mag = _mm512_slli_epi16(v, 1);  // the sign shifted out
       const __mmask32 nonzero = _mm512_test_epi16_mask(mag, mag);
-      const __m512i e = _mm512_srli_epi16(mag, 7);
-      tiny |= _mm512_mask_cmpeq_epi16_mask(nonzero, e, _mm512_setzero_si512());
+      const __m512i e = _mm512_srli_epi16(mag, 8);
+      tiny |= _mm512_mask_testn_epi16_mask(nonzero, e, e);
       low = _mm512_mask_min_epu16(low, nonzero, low, e);
     }
     uint32_t min_exp() const {
@@ -2007,7 +1983,52 @@ struct DenseRows {
   };
 #endif
   // Copies and scans in one pass (bf16 weights carry no shared scale to read the bound from).
-  LowBits bf16(int64_t n, int64_t k0, int64_t k1, uint16_t* dst, float*) const {
+  LowBits bf16(int64_t n, int64_t k0, int64_t k1, uint16_t* dst, float*) const { return convert<true>(n, k0, k1, dst); }
+  // The bound of bf16(n, k0, k1) without the copy (for weights read in place).
+  LowBits scan(int64_t n, int64_t k0, int64_t k1) const { return convert<false>(n, k0, k1, nullptr); }
+  // Row n's bf16 weights from element k0 where the register tiles can read them in place
+  // (bf16 weights and K even: every row holds whole pairs), else null (a panel is copied).
+  // No copy, so no panel to write and keep in L2; the bound comes from scan() or ScanJob.
+  const uint16_t* in_place(int64_t n, int64_t k0) const {
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (K % 2 == 0) return reinterpret_cast<const uint16_t*>(data + n * K + k0);
+    }
+    return nullptr;
+  }
+#if defined(TORCH_BQ_AVX512_BF16)
+  // The bound of the next chunk of in-place weights (whole 32-element units), as steps of
+  // 32 elements (row by row) inside the current chunk's register tiles: one load and a few
+  // integer operations each, which also bring the rows into L1 before they are multiplied.
+  // The same bound as scan(). Kept this small: the tiles leave it five vector registers.
+  struct ScanJob {
+    const uint16_t* row = nullptr;  // the current row at the chunk's first element
+    int64_t stride = 0, units = 0, total = 0, j = 0;
+    Scan scan;
+    int64_t steps() const { return total; }
+    LowBits bits() const { return {static_cast<int>(scan.min_exp()) - 134, scan.tiny != 0}; }
+    void step() {
+      scan.add(_mm512_loadu_si512(reinterpret_cast<const void*>(row + 32 * j)));
+      if (++j == units) {
+        j = 0;
+        row += stride;
+      }
+    }
+  };
+  using PanelJob = ScanJob;
+  bool panel_job(int64_t n0, int64_t rows, int64_t k0, int64_t k1, uint16_t*, int64_t, PanelJob& job) const {
+    const uint16_t* first = in_place(n0, k0);
+    if (first == nullptr || (k1 - k0) % 32 != 0) return false;  // scanned (or copied) on its own
+    job.row = first;
+    job.stride = K;
+    job.units = (k1 - k0) / 32;
+    job.total = rows * job.units;
+    return true;
+  }
+#endif
+
+ private:
+  template <bool kStore>
+  LowBits convert(int64_t n, int64_t k0, int64_t k1, uint16_t* dst) const {
     const T* row = data + n * K;
     uint32_t min_exp = 255;
     bool subnormal = false;
@@ -2017,7 +2038,7 @@ struct DenseRows {
       Scan scan;
       for (; k + 32 <= k1; k += 32) {
         const __m512i v = bf16x32(row + k);
-        _mm512_storeu_si512(reinterpret_cast<void*>(dst + (k - k0)), v);
+        if constexpr (kStore) _mm512_storeu_si512(reinterpret_cast<void*>(dst + (k - k0)), v);
         scan.add(v);
       }
       min_exp = scan.min_exp();
@@ -2026,7 +2047,7 @@ struct DenseRows {
 #endif
     for (; k < k1; ++k) {
       const uint16_t v = bf16_of(row[k]);
-      dst[k - k0] = v;
+      if constexpr (kStore) dst[k - k0] = v;
       const uint32_t b = v & 0x7FFFu, e = b >> 7;
       subnormal |= (e == 0) & (b != 0);
       min_exp = std::min(min_exp, b == 0 ? 255u : e);
@@ -2058,11 +2079,11 @@ inline int64_t chunk_elems(int64_t align) {
   return std::max<int64_t>(step, target / step * step);
 }
 
-// Whether a Rows type can say where its stored bytes are (bytes_of; optional: no prefetch without it).
+// Whether a Rows type can have its bf16 weights multiplied where they lie (in_place; optional).
 template <class R, class = void>
-struct has_bytes_of : std::false_type {};
+struct has_in_place : std::false_type {};
 template <class R>
-struct has_bytes_of<R, std::void_t<decltype(std::declval<const R&>().bytes_of(0, 0, 0, 0))>> : std::true_type {};
+struct has_in_place<R, std::void_t<decltype(std::declval<const R&>().in_place(0, 0))>> : std::true_type {};
 
 // Whether a Rows type can cut its bf16 panel decode into steps (PanelJob, panel_job; optional).
 template <class R, class = void>
@@ -2104,26 +2125,63 @@ struct FinalOutput {
 #endif
 };
 
+#if defined(TORCH_BQ_AVX512)
+// dst[0, n) = src[0, n), 64 bytes at a time (a row segment of the output: no libc call per row).
+inline void copy_bytes(void* dst, const void* src, int64_t n) {
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) _mm512_storeu_si512(d + i, _mm512_loadu_si512(s + i));
+  if (i < n) {
+    const __mmask64 m = (uint64_t(1) << (n - i)) - 1;
+    _mm512_mask_storeu_epi8(d + i, m, _mm512_maskz_loadu_epi8(m, s + i));
+  }
+}
+#endif
+
 // out[m, n0 + r] = c[r, m] for r < rows, m < M (out fp32, rows ldo apart), or into
 // `final` (not null) with its bias and rounding.
 inline void store_transposed(const float* c, int64_t rows, int64_t M, float* out, int64_t ldo, int64_t n0,
                              const FinalOutput* final) {
   int64_t r0 = 0;
 #if defined(TORCH_BQ_AVX512)
-  for (; r0 + 16 <= rows; r0 += 16) {
+  // 16 output rows at a time: the 16 x 16 transposes of up to kSlab columns go to a
+  // row-major buffer in L1, then each row's segment is copied whole. Written straight
+  // from the transposes, each cache line of a row would be filled by two 32-byte stores
+  // far apart in time, with the rows N elements apart (the same L1 set for N = 4096) in
+  // between, and fetched again for the second.
+  constexpr int64_t kSlab = 128;
+  alignas(64) float buffer[16 * kSlab];
+  const int64_t full = rows / 16 * 16;
+  const int64_t esize = final != nullptr ? static_cast<int64_t>(c10::elementSize(final->dtype)) : 4;
+  for (int64_t s0 = 0; s0 < full; s0 += kSlab) {
+    const int64_t width = std::min(kSlab, full - s0);
+    FinalOutput staged;  // put16 into the buffer: rows `width` elements apart
+    if (final != nullptr)
+      staged = {buffer, final->dtype, final->bias != nullptr ? final->bias + n0 + s0 : nullptr, width};
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
       const int64_t cols = std::min<int64_t>(16, M - m0);
       const __mmask16 valid = cols == 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
-      __m512i v[16];
-      for (int i = 0; i < 16; ++i) v[i] = _mm512_maskz_loadu_epi32(valid, c + (r0 + i) * M + m0);
-      transpose16(v);
-      if (final != nullptr) {
-        for (int64_t j = 0; j < cols; ++j) final->put16(m0 + j, n0 + r0, _mm512_castsi512_ps(v[j]));
-      } else {
-        for (int64_t j = 0; j < cols; ++j) _mm512_storeu_si512(out + (m0 + j) * ldo + n0 + r0, v[j]);
+      for (int64_t q = 0; q < width; q += 16) {
+        __m512i v[16];
+        for (int i = 0; i < 16; ++i) v[i] = _mm512_maskz_loadu_epi32(valid, c + (s0 + q + i) * M + m0);
+        transpose16(v);
+        if (final != nullptr) {
+          for (int64_t j = 0; j < cols; ++j) staged.put16(j, q, _mm512_castsi512_ps(v[j]));
+        } else {
+          for (int64_t j = 0; j < cols; ++j) _mm512_store_si512(buffer + j * width + q, v[j]);
+        }
+      }
+      for (int64_t j = 0; j < cols; ++j) {
+        const char* src = reinterpret_cast<const char*>(buffer) + j * width * esize;
+        if (final != nullptr)
+          copy_bytes(static_cast<char*>(final->data) + ((m0 + j) * final->N + n0 + s0) * esize, src, width * esize);
+        else
+          copy_bytes(out + (m0 + j) * ldo + n0 + s0, src, width * 4);
       }
     }
   }
+  r0 = full;
 #endif
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t r = r0; r < rows; ++r) {
@@ -2137,13 +2195,14 @@ inline void store_transposed(const float* c, int64_t rows, int64_t M, float* out
 
 // out[:, n_begin:n_end] for one task: groups of `group` weight rows one after
 // the other, each over all of K. With bf16_ok (A allows it), each K chunk of a
-// group whose weights allow it too runs the bf16 microkernel, the others the
-// fp32 one; both accumulate into the group's fp32 C^T. On the bf16 path the
-// panel that comes next (the group's next chunk, or the next group's first)
-// is decoded while this one is multiplied (a PanelJob's steps inside the
-// register tiles, where the Rows type has one for that chunk), into the other
-// of two panel buffers; the task's first panel, and panels whose job does not
-// apply, are decoded on their own.
+// group whose weights allow it too runs the bf16 microkernel, the others (and
+// every chunk after one of those in the group) the fp32 one; both accumulate
+// into the group's fp32 C^T. On the bf16 path the panel that comes next (the
+// group's next chunk, or the next group's first) is decoded while this one is
+// multiplied (a PanelJob's steps inside the register tiles, where the Rows type
+// has one for that chunk), into the other of two panel buffers (or, for weights
+// read in place, only scanned for its bound); the task's first panel, and
+// panels whose job does not apply, are decoded (or scanned) on their own.
 template <class Rows>
 void gemm_task(const Rows& wr, GemmOperands& ops, int64_t n_begin, int64_t n_end, int64_t group, bool bf16_ok,
                float* out, int64_t N, const FinalOutput* final) {
@@ -2172,38 +2231,43 @@ void gemm_task(const Rows& wr, GemmOperands& ops, int64_t n_begin, int64_t n_end
         const int64_t padded = width + (width & 1);  // pairs with A^T's zero row
         const int64_t half = std::min(group, n_end - n_begin) * kc;
         uint16_t* p = buf.panel16.data() + (panels & 1) * half;
-        LowBits bits{std::numeric_limits<int>::max(), false};
-        if (decoded) {
-          bits = decoded_bits;
-        } else {
-          for (int64_t r = 0; r < rows; ++r) {
-            const LowBits row_bits = wr.bf16(n0 + r, k0, k1, p + r * padded, buf.scratch.data());
-            bits = {std::min(bits.low_bit, row_bits.low_bit), bits.subnormal || row_bits.subnormal};
+        // The multiplied panel: p, rows padded / 2 pairs apart, or the weights themselves.
+        const uint16_t* panel = p;
+        int64_t ws = padded / 2;
+        if constexpr (has_in_place<Rows>::value) {
+          if (const uint16_t* w = wr.in_place(n0, k0)) {
+            panel = w;
+            ws = K / 2;
           }
         }
-        if (padded != width)
+        LowBits bits{std::numeric_limits<int>::max(), false};
+        auto merge = [&](const LowBits& b) {
+          bits = {std::min(bits.low_bit, b.low_bit), bits.subnormal || b.subnormal};
+        };
+        if (decoded) {
+          bits = decoded_bits;
+        } else if (!all_bf16) {
+          // the group is on the fp32 microkernel for the rest of K (below): no bf16 panel
+        } else if (panel != p) {
+          if constexpr (has_in_place<Rows>::value)
+            for (int64_t r = 0; r < rows; ++r) merge(wr.scan(n0 + r, k0, k1));
+        } else {
+          for (int64_t r = 0; r < rows; ++r) merge(wr.bf16(n0 + r, k0, k1, p + r * padded, buf.scratch.data()));
+        }
+        if (panel == p && padded != width)
           for (int64_t r = 0; r < rows; ++r) p[r * padded + width] = 0;
         decoded = false;
-        chunk_bf16 = !bits.subnormal && ops.a_bits.low_bit + bits.low_bit >= -126;
+        // all_bf16: after an fp32 chunk C^T may hold subnormal partial sums, which vdpbf16ps
+        // would read as zero, so the group's later chunks take the fp32 microkernel too.
+        chunk_bf16 = all_bf16 && !bits.subnormal && ops.a_bits.low_bit + bits.low_bit >= -126;
         if (chunk_bf16) {
           // The panel after this one: the next chunk of these rows, else the next rows' first
-          // (past the task: the rows after it, only to prefetch), and the one after that.
+          // (none past the task).
           struct Panel {
             int64_t n0, rows, k0, k1;
           };
-          auto after = [&](const Panel& q) {
-            if (q.k1 < K) return Panel{q.n0, q.rows, q.k1, std::min(K, q.k1 + kc)};
-            const int64_t next = q.n0 + q.rows;
-            return Panel{next, std::min(group, N - next), 0, std::min(K, kc)};
-          };
-          auto prefetch = [&](const Panel& q) {
-            PrefetchPlan plan;
-            if constexpr (has_bytes_of<Rows>::value) {
-              if (q.rows > 0) plan = wr.bytes_of(q.n0, q.rows, q.k0, q.k1);
-            }
-            return plan;
-          };
-          const Panel next = after(Panel{n0, rows, k0, k1});
+          const Panel next = k1 < K ? Panel{n0, rows, k1, std::min(K, k1 + kc)}
+                                    : Panel{n0 + rows, std::min(group, n_end - n0 - rows), 0, std::min(K, kc)};
           const uint32_t* apack = reinterpret_cast<const uint32_t*>(ops.apack.data_ptr<int32_t>());
           bool fused = false;
           if constexpr (has_panel_job<Rows>::value) {
@@ -2211,15 +2275,13 @@ void gemm_task(const Rows& wr, GemmOperands& ops, int64_t n_begin, int64_t n_end
             const int64_t npadded = (next.k1 - next.k0) + ((next.k1 - next.k0) & 1);
             uint16_t* np = buf.panel16.data() + ((panels + 1) & 1) * half;
             if (next.n0 < n_end && wr.panel_job(next.n0, next.rows, next.k0, next.k1, np, npadded, job)) {
-              dot_chunk(p, rows, apack, ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0, prefetch(after(next)), &job,
-                        job.steps());
+              dot_chunk(panel, ws, rows, apack, ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0, &job, job.steps());
               decoded_bits = job.bits();
               fused = decoded = true;
             }
           }
           if (!fused)
-            dot_chunk<NoJob>(p, rows, apack, ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0, prefetch(next), nullptr,
-                             0);
+            dot_chunk<NoJob>(panel, ws, rows, apack, ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0, nullptr, 0);
         }
         ++panels;
       }
@@ -2275,11 +2337,10 @@ bool prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t pane
     ops.a32 = A;
     bool bf16 = false;
 #if defined(TORCH_BQ_AVX512_BF16)
-    ops.a_bits = activation_low_bits(A.data_ptr<float>(), A.numel());
-    bf16 = !ops.a_bits.subnormal && bf16_brgemm_works();
-    if (bf16) {
+    if (bf16_brgemm_works()) {
       ops.Kp = ops.K + (ops.K & 1);
-      ops.apack = pack_activation(A, ops.Kp / 2);
+      ops.apack = pack_activation(A, ops.Kp / 2, ops.a_bits);
+      bf16 = !ops.a_bits.subnormal;
     }
 #endif
 #if defined(TORCH_BQ_AVX512_BF16)
