@@ -682,7 +682,8 @@ def one_hot_products(linear, k, dtype=torch.float32):
 @pytest.mark.parametrize("fmt", ["fp8 32x32", "fp8 1x32", "fp4"])
 def test_bf16_decode_tiles_around_the_fold_switch(fmt):
     """The AVX-512 BF16 decode runs its per-lane-scale tiles (up to 5 rows in one tile over 4
-    weight rows, 6 as two tiles) below ``decode_fold_rows()`` rows and its folded K-block tiles
+    weight rows for fp4, 6 as two tiles; up to 3 for fp8, so 4 as 2 + 2, 5 as 2 + 3, 6 as 3 + 3)
+    below ``decode_fold_rows()`` rows and its folded K-block tiles
     from there. At each row count around those switches the call takes the tiles it should
     (``decode_counts``) and, with one-hot activations, gives every weight element exactly:
     a row tile that read or wrote the wrong row of A or of the output, or a remainder row it
@@ -712,7 +713,7 @@ def test_bf16_decode_tiles_around_the_fold_switch(fmt):
             return FP8["avx512_bf16"](x, data, scale, None, list(block), False, 224.0, torch.float32)
 
     eye = torch.eye(k)
-    for m in sorted({1, 4, 5, 6, fold - 1, fold, fold + 1, 2 * fold, 2 * fold + 1}):
+    for m in sorted({1, 2, 3, 4, 5, 6, fold - 1, fold, fold + 1, 2 * fold, 2 * fold + 1}):
         before = torch.tensor(kernels.decode_counts())
         y = torch.cat([linear(eye[k0 : k0 + m]) for k0 in range(0, k - m + 1, m)])
         calls = k // m

@@ -761,8 +761,9 @@ std::atomic<int64_t> dot_decode_calls[2];
 //     for group g: w0, w1 = decode(W[n, g]); for m: t = dot(w0, A0) + dot(w1, A1)
 //                  acc[m][n] += t * s16[lanes of g]
 // Tiles: below Fold<D>::kMinRows rows (7 for both formats), NT = 4 weight rows x
-// MT = 1-5 rows with the per-lane scales above (M = 6: two row tiles over
-// the same 4 weight rows, the second reading them from L1); from there the
+// MT = 1-5 (fp4) or 1-3 (fp8) rows with the per-lane scales above (taller M:
+// several row tiles over the same 4 weight rows, the later ones reading them
+// from L1); from there the
 // folded K-block tiles (section "From Fold<D>::kMinRows rows" below), for
 // every e8m0 block height.
 // Tiles prefetch the weight rows ahead (and their scales): short row streams
@@ -985,16 +986,22 @@ void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
     for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-// The tallest per-lane-scale tile over 4 weight rows: 5 x 4 accumulators,
-// 4 scale registers, the decoded pair and the lane permute fit the 32 zmm
-// (M = 5 in one tile took 0.87-0.94x the time of two tiles of 3 and 2 rows,
-// which decode the weight twice; 1 thread, Zen 5).
-constexpr int kDirectMaxMT = 5;
+// The tallest per-lane-scale tile over 4 weight rows, by format. fp4: 5 x 4
+// accumulators, 4 scale registers, the decoded pair and the lane permute fit
+// the 32 zmm (M = 5 in one tile took 0.87-0.94x the time of two tiles of 3 and
+// 2 rows, which decode the weight twice; 1 thread, Zen 5). fp8: 3. Its 4- and
+// 5-row tiles (four more registers for the byte tables) cost more per row than
+// two shorter tiles, the second of which reads the 4 weight rows from L1: M = 4
+// as 2 + 2 took 0.81-0.93x the time of one 4-row tile, M = 5 as 2 + 3
+// 0.66-0.78x (kernel calls interleaved in one process, cold cache, 3 x 21 rounds,
+// five shapes, 2026-12-02).
+template <class D>
+constexpr int kDirectMaxMT = std::is_same_v<D, Fp8Dot> ? 3 : 5;
 
 template <class D, int NT>
 void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
-  // Row tiles of near-equal height <= kMaxMT: 8 for NT = 1, 2; kDirectMaxMT for NT = 4.
-  constexpr int kMaxMT = NT == 4 ? kDirectMaxMT : 8;
+  // Row tiles of near-equal height <= kMaxMT: 8 for NT = 1, 2; kDirectMaxMT<D> for NT = 4.
+  constexpr int kMaxMT = NT == 4 ? kDirectMaxMT<D> : 8;
   const int64_t tiles = (M + kMaxMT - 1) / kMaxMT;
   int64_t m0 = 0;
   for (int64_t t = 0; t < tiles; ++t) {
@@ -1042,8 +1049,8 @@ void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
 // 0.80-0.89x of the vdpbf16ps peak in the tile loop alone (L1 data, MT = 3-5).
 //
 // Below that the per-lane-scale tiles above run (NT = 4 weight rows x MT <=
-// kDirectMaxMT rows in registers; M = 6 as two tiles over the same 4 weight
-// rows, the second reading them from L1): there the decode, not the
+// kDirectMaxMT<D> rows in registers; taller M as several tiles over the same 4
+// weight rows, the later ones reading them from L1): there the decode, not the
 // multiply, is the cost, and the scratch round trip (decode, scale, store,
 // reload) costs more than decoding the 4 rows again.
 //
