@@ -86,6 +86,6 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     # The same float32 operations in the same order, in place on the fresh g and u:
     # each [rows, I] float32 temporary above glibc's mmap threshold is a fresh mapping
     # whose pages fault in on first touch, which costs more than the arithmetic
-    # (docs/benchmarks.md, "Fresh allocations").
+    # (docs/benchmarks.md, "All branches merged, on a quiet machine (stop 18 ...)").
     s = torch.sigmoid_(alpha * g)
     return g.mul_(s).mul_(u.add_(1.0)).to(torch.bfloat16)

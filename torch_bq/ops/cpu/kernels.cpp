@@ -2980,15 +2980,29 @@ at::Tensor fp4_linear_entry(const at::Tensor& x, const at::Tensor& weight, const
   return fp4_linear_op(x, weight, scale, bias, act_quant, act_peak, out_dtype, decode_max_m, panel_bytes);
 }
 
+// `entry` as the eager direct path calls it: None (without calling it) while watched(),
+// else its result with the GIL released while it runs (the watch is read before, with
+// the GIL held: the torch function mode state is the calling thread's).
+template <class... Args>
+auto unless_watched(at::Tensor (*entry)(Args...)) {
+  return [entry](Args... args) -> pybind11::object {
+    if (watched()) return pybind11::none();
+    at::Tensor y;
+    {
+      pybind11::gil_scoped_release no_gil;
+      y = entry(std::forward<Args>(args)...);
+    }
+    return pybind11::cast(std::move(y));
+  };
+}
+
 }  // namespace torch_bq_cpu
 
 // The module is named as the build names the library (TORCH_EXTENSION_NAME); the loader
 // (torch_bq/ops/_backend.py) imports it from the file it loaded. Same arguments as the ops;
 // an undefined result (a refused call) arrives as None. The GIL is released while the
-// kernels run, as torch.ops releases it (the watch is read before, with the GIL held:
-// the torch function mode state is the calling thread's).
+// kernels run, as torch.ops releases it.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  using torch_bq_cpu::watched;
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.attr("isa") = TORCH_BQ_STR(TORCH_BQ_ISA);
   m.def("fp8_linear_op", &torch_bq_cpu::fp8_linear_entry, release());
@@ -2997,32 +3011,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // (benchmarks/ggml_side_by_side.py); torch_bq itself calls them through the ops.
   m.def("fp8_linear", &torch_bq_cpu::fp8_linear, release());
   m.def("fp4_linear", &torch_bq_cpu::fp4_linear, release());
-  m.def("fp8_linear_direct",
-        [](const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-           const std::optional<at::Tensor>& bias, std::vector<int64_t> block, bool act_quant, double act_peak,
-           at::ScalarType out_dtype, int64_t decode_max_m, int64_t panel_bytes) -> pybind11::object {
-          if (watched()) return pybind11::none();
-          at::Tensor y;
-          {
-            pybind11::gil_scoped_release no_gil;
-            y = torch_bq_cpu::fp8_linear_entry(x, weight, scale, bias, std::move(block), act_quant, act_peak,
-                                               out_dtype, decode_max_m, panel_bytes);
-          }
-          return pybind11::cast(std::move(y));
-        });
-  m.def("fp4_linear_direct",
-        [](const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-           const std::optional<at::Tensor>& bias, bool act_quant, double act_peak, at::ScalarType out_dtype,
-           int64_t decode_max_m, int64_t panel_bytes) -> pybind11::object {
-          if (watched()) return pybind11::none();
-          at::Tensor y;
-          {
-            pybind11::gil_scoped_release no_gil;
-            y = torch_bq_cpu::fp4_linear_entry(x, weight, scale, bias, act_quant, act_peak, out_dtype, decode_max_m,
-                                               panel_bytes);
-          }
-          return pybind11::cast(std::move(y));
-        });
+  m.def("fp8_linear_direct", torch_bq_cpu::unless_watched(&torch_bq_cpu::fp8_linear_entry));
+  m.def("fp4_linear_direct", torch_bq_cpu::unless_watched(&torch_bq_cpu::fp4_linear_entry));
 }
 #endif
 #endif

@@ -182,14 +182,14 @@ def _plain_args(x, weight, scale, bias, act_quant, out_dtype) -> bool:
             and type(out_dtype) is torch.dtype)
 
 
-def _direct_kernels(op):
-    """The kernels a direct call of ``op`` runs, or ``None`` where it must go through the op."""
+def _direct(op):
+    """``(kernels, (fp8_linear_direct, fp4_linear_direct))`` for a direct call of ``op``, or ``None``
+    where it must go through the op."""
     if not _backend.direct_call_allowed(op, "cpu"):
         return None
     kernels = _backend.cpu_kernels()
-    if kernels is None or direct_entries(kernels) is None:
-        return None
-    return kernels
+    entries = None if kernels is None else direct_entries(kernels)
+    return None if entries is None else (kernels, entries)
 
 
 def direct_fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
@@ -207,10 +207,11 @@ def direct_fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dt
     """
     if not _plain_args(x, weight, scale, bias, act_quant, out_dtype):
         return None
-    kernels = _direct_kernels(op_defs._fp8_linear)
-    if kernels is None or not _peak_ok(act_peak):
+    found = _direct(op_defs._fp8_linear)
+    if found is None or not _peak_ok(act_peak):
         return None
-    return direct_entries(kernels)[0](x, weight, scale, bias, block, act_quant, act_peak, out_dtype,
+    kernels, entries = found
+    return entries[0](x, weight, scale, bias, block, act_quant, act_peak, out_dtype,
                                       _limit(kernels, "fp8", x), PANEL_BYTES)
 
 
@@ -218,10 +219,11 @@ def direct_fp4_linear(x, weight, scale, bias, act_quant, act_peak, out_dtype) ->
     """:func:`fp4_linear` without the ``torch_bq::`` dispatcher, or ``None``; see :func:`direct_fp8_linear`."""
     if not _plain_args(x, weight, scale, bias, act_quant, out_dtype):
         return None
-    kernels = _direct_kernels(op_defs._fp4_linear)
-    if kernels is None or not _peak_ok(act_peak):
+    found = _direct(op_defs._fp4_linear)
+    if found is None or not _peak_ok(act_peak):
         return None
-    return direct_entries(kernels)[1](x, weight, scale, bias, act_quant, act_peak, out_dtype,
+    kernels, entries = found
+    return entries[1](x, weight, scale, bias, act_quant, act_peak, out_dtype,
                                       _limit(kernels, "fp4", x), PANEL_BYTES)
 
 
