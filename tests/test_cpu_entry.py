@@ -8,7 +8,9 @@ what the twin tests of test_cpu_kernels.py hold to the contract). They refuse
 without the torch_bq:: dispatcher only where nothing could tell the difference.
 """
 
+import dataclasses
 import shutil
+import types
 import warnings
 from pathlib import Path
 
@@ -361,7 +363,6 @@ def test_each_level_calls_its_entry_points_through_its_python_module():
         assert module is not None and module.isa == level
         fp8_op, fp4_op = fast.entry_ops(kernels)
         assert (fp8_op, fp4_op) == (module.fp8_linear_op, module.fp4_linear_op)
-        assert fast.direct_entries(kernels) == (module.fp8_linear_direct, module.fp4_linear_direct)
         assert fast.entry_ops(kernels) == (fp8_op, fp4_op)  # kept, not looked up again
         seen.add(module)
         m8 = fast.decode_max_m(kernels, "fp8", 96)
@@ -374,13 +375,13 @@ def test_each_level_calls_its_entry_points_through_its_python_module():
         staged4 = (a, formats.as_fp4_bytes(w4), formats.as_e8m0_codes(s4), None, m4, fast.PANEL_BYTES)
         same_bits(module.fp8_linear(*staged8), kernels.fp8_linear(*staged8))
         same_bits(module.fp4_linear(*staged4), kernels.fp4_linear(*staged4))
-        for fn8, fn4 in ((fp8_op, fp4_op), fast.direct_entries(kernels)):
+        for fn8, fn4 in ((fp8_op, fp4_op), (module.fp8_linear_direct, module.fp4_linear_direct)):
             same_bits(fn8(*args8), expected8)
             same_bits(fn4(*args4), expected4)
             assert fn8(x.double(), *args8[1:]) is None and fn4(x.double(), *args4[1:]) is None
             with Recorder():
                 assert fn8(*args8) is None and fn4(*args4) is None
-        direct8, direct4 = fast.direct_entries(kernels)
+        direct8, direct4 = module.fp8_linear_direct, module.fp4_linear_direct
         with torch.device("cpu"):  # a TorchFunctionMode
             assert direct8(*args8) is None and direct4(*args4) is None
             assert fp8_op(*args8) is not None  # the ops' own functions do not look
@@ -424,8 +425,9 @@ def test_eager_calls_take_the_python_modules_direct_entries(monkeypatch):
     w8, s8 = formats.quantize_fp8(w)
     w4, s4 = formats.quantize_fp4(w)
     x = torch.randn(1, 64, dtype=torch.bfloat16)
-    kernels = _backend.cpu_kernels()
-    direct8, direct4 = fast.direct_entries(kernels)
+    selection = _backend.cpu_selection()
+    module = selection.entry_module
+    assert module is not None and module is _backend.entry_module(selection.ops)
     calls = []
 
     def recording(name, fn):
@@ -434,7 +436,9 @@ def test_eager_calls_take_the_python_modules_direct_entries(monkeypatch):
             return fn(*args)
         return call
 
-    monkeypatch.setitem(fast._direct_entries, id(kernels), (recording("fp8", direct8), recording("fp4", direct4)))
+    recorded = types.SimpleNamespace(fp8_linear_direct=recording("fp8", module.fp8_linear_direct),
+                                     fp4_linear_direct=recording("fp4", module.fp4_linear_direct))
+    monkeypatch.setattr(_backend, "_selection", dataclasses.replace(selection, entry_module=recorded))
     ops.fp8_linear(x, w8, s8), bqnn.FP8Linear.from_quantized(w8, s8)(x)
     ops.fp4_linear(x, w4, s4), bqnn.FP4Linear.from_quantized(w4, s4)(x)
     assert calls == ["fp8", "fp8", "fp4", "fp4"]

@@ -146,8 +146,8 @@ def test_ops_dispatch_to_the_fast_kernels_and_set_kernel_enabled_switches_them_o
     d, s = formats.quantize_fp8(torch.randn(40, 64))
     p, s4 = formats.quantize_fp4(torch.randn(40, 64))
     x = torch.randn(3, 64)
-    kernels, calls = _backend.cpu_kernels(), []
-    monkeypatch.setattr(_backend, "cpu_kernels", lambda: calls.append(1) or kernels)
+    selection, calls = _backend.cpu_selection(), []
+    monkeypatch.setattr(_backend, "cpu_selection", lambda: calls.append(1) or selection)
 
     def run():
         return ops.fp8_linear(x, d, s), ops.fp4_linear(x, p, s4), ops.qdq_fp8(x)

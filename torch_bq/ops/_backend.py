@@ -463,6 +463,8 @@ class CpuSelection:
     wanted: str  # the level cpu_isa() asked for
     reason: str  # one line: why this choice
     ops: object = dataclasses.field(default=None, repr=False, compare=False)
+    # the library's Python module (entry points without torch.ops; see entry_module), or None
+    entry_module: object = dataclasses.field(default=None, repr=False, compare=False)
 
 
 _selection: Optional[CpuSelection] = None
@@ -482,7 +484,7 @@ def _select_cpu() -> CpuSelection:
         reason = "the best level this CPU has" if level == levels[-1] else f"capped at {wanted}"
         if failures:
             reason = f"{wanted} unavailable ({failures[0]})"
-        return CpuSelection("fast", level, source, wanted, reason, ops)
+        return CpuSelection("fast", level, source, wanted, reason, ops, entry_module(ops))
     return CpuSelection("reference", None, None, wanted, failures[0] if failures else "no CPU kernels", None)
 
 

@@ -17,6 +17,10 @@ from ..reference import linear as ref
 __all__ = ["fp8_linear", "fp4_linear", "fp8_linear_direct", "fp4_linear_direct", "nvfp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8"]
 
 
+# torch.compiler.is_compiling itself (dynamo folds this function to True while it traces), bound
+# once: the eager path of an M = 1 call pays for every attribute lookup from a cold cache.
+_is_compiling = torch.compiler.is_compiling
+
 #: op name -> a backend's eager direct call (``torch_bq.ops.cpu.linear.direct_fp8_linear``, ...):
 #: the op's positional arguments, the result or ``None`` when the op must be called.
 _direct: dict = {}
@@ -143,7 +147,7 @@ def fp8_linear(
     act_peak = float(act_peak)
     # Eager CPU calls go straight to the kernel where that is safe (see register_direct):
     # the custom-op layers cost more than an M = 1 kernel call on small weights.
-    direct = None if torch.compiler.is_compiling() else _direct.get("fp8_linear")
+    direct = None if _is_compiling() else _direct.get("fp8_linear")
     if direct is not None:
         y = direct(x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
         if y is not None:
@@ -177,7 +181,7 @@ def fp4_linear(
         ``[..., N]`` of ``out_dtype``.
     """
     act_peak = float(act_peak)
-    direct = None if torch.compiler.is_compiling() else _direct.get("fp4_linear")
+    direct = None if _is_compiling() else _direct.get("fp4_linear")
     if direct is not None:
         y = direct(x, weight, scale, bias, act_quant, act_peak, out_dtype)
         if y is not None:

@@ -41,7 +41,7 @@ from .. import linear as op_defs
 
 __all__ = [
     "DECODE_MAX_M", "NVFP4_DECODE_MAX_M", "PANEL_BYTES", "decode_max_m", "direct_fp8_linear", "direct_fp4_linear",
-    "direct_entries", "entry_ops",
+    "entry_ops",
     "fp8_linear", "fp4_linear", "nvfp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8",
 ]
 
@@ -115,8 +115,6 @@ def decode_max_m(kernels, fmt: str, k: int) -> int:
 # call), or where the library has none, each op's overload callable (``OpOverload._op``:
 # no OpOverloadPacket frame, no overload lookup).
 _entry_ops: dict = {}
-# id(kernels) -> (fp8_linear_direct, fp4_linear_direct) of the library's Python module, or None
-_direct_entries: dict = {}
 
 
 def entry_ops(kernels) -> tuple:
@@ -131,15 +129,6 @@ def entry_ops(kernels) -> tuple:
                           for packet in (kernels.fp8_linear_op, kernels.fp4_linear_op))
         _entry_ops[id(kernels)] = found
     return found
-
-
-def direct_entries(kernels) -> Optional[tuple]:
-    """``(fp8_linear_direct, fp4_linear_direct)`` of ``kernels``' Python module, or ``None`` without one."""
-    key = id(kernels)
-    if key not in _direct_entries:
-        module = _backend.entry_module(kernels)
-        _direct_entries[key] = None if module is None else (module.fp8_linear_direct, module.fp4_linear_direct)
-    return _direct_entries[key]
 
 
 def _limit(kernels, fmt: str, x) -> int:
@@ -173,23 +162,27 @@ def _fp4_entry(kernels, x, weight, scale, bias, act_quant, act_peak, out_dtype) 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _plain_args(x, weight, scale, bias, act_quant, out_dtype) -> bool:
-    """Plain tensors and exact Python types: anything else goes to the op, whose schema and checks
-    report it in the op's own words (a numpy bool or a dtype's name would otherwise reach the
-    entry op's argument parser)."""
-    return (type(x) in _PLAIN and type(weight) in _PLAIN and type(scale) in _PLAIN
+def _direct_route(op, fmt: str, x, weight, scale, bias, act_quant, act_peak, out_dtype):
+    """``(entry module, decode_max_m)`` for an eager direct call of ``op``, or ``None`` where it must
+    go through the op.
+
+    Taken only for plain tensors and exact Python types (anything else reaches the op, whose schema
+    and checks report it in the op's own words: a numpy bool or a dtype's name would otherwise meet
+    the entry point's argument parser), a peak in range, the kernel not switched off
+    (:func:`torch_bq.ops._backend.direct_call_allowed`) and a kernel library with a Python module.
+    Everything is looked up here in one frame: from a cold cache every Python call costs a few
+    microseconds, as much as an M = 1 decode of a small weight gains from skipping the op.
+    """
+    if not (type(x) in _PLAIN and type(weight) in _PLAIN and type(scale) in _PLAIN
             and (bias is None or type(bias) in _PLAIN) and type(act_quant) is bool
-            and type(out_dtype) is torch.dtype)
-
-
-def _direct(op):
-    """``(kernels, (fp8_linear_direct, fp4_linear_direct))`` for a direct call of ``op``, or ``None``
-    where it must go through the op."""
-    if not _backend.direct_call_allowed(op, "cpu"):
+            and type(out_dtype) is torch.dtype and _peak_ok(act_peak)
+            and _backend.direct_call_allowed(op, "cpu")):
         return None
-    kernels = _backend.cpu_kernels()
-    entries = None if kernels is None else direct_entries(kernels)
-    return None if entries is None else (kernels, entries)
+    selection = _backend.cpu_selection()
+    module = selection.entry_module
+    if module is None or x.dim() == 0:  # 0-d x: the op's checks name it
+        return None
+    return module, decode_max_m(selection.ops, fmt, x.shape[-1])
 
 
 def direct_fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
@@ -198,33 +191,25 @@ def direct_fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dt
     For eager calls of the public op (:func:`torch_bq.ops.fp8_linear`, the modules),
     never under ``torch.compile`` (the caller checks ``torch.compiler.is_compiling()``
     first) and with ``block`` already checked: the custom-op layers cost more than a
-    whole M = 1 kernel call on small weights from a cold cache. Taken only for plain
-    tensors, with the kernel not switched off (:func:`torch_bq.ops._backend.direct_call_allowed`),
-    and through the kernel library's Python module, whose ``fp8_linear_direct`` refuses
-    while a TorchFunctionMode, a TorchScript trace or a functorch transform is on;
-    the entry point itself refuses dispatch modes and anything autograd must record.
-    ``None``: call the op.
+    whole M = 1 kernel call on small weights from a cold cache. Taken where
+    :func:`_direct_route` allows, through the kernel library's Python module, whose
+    ``fp8_linear_direct`` refuses while a TorchFunctionMode, a TorchScript trace or a
+    functorch transform is on; the entry point itself refuses dispatch modes and anything
+    autograd must record. ``None``: call the op.
     """
-    if not _plain_args(x, weight, scale, bias, act_quant, out_dtype):
+    route = _direct_route(op_defs._fp8_linear, "fp8", x, weight, scale, bias, act_quant, act_peak, out_dtype)
+    if route is None:
         return None
-    found = _direct(op_defs._fp8_linear)
-    if found is None or not _peak_ok(act_peak):
-        return None
-    kernels, entries = found
-    return entries[0](x, weight, scale, bias, block, act_quant, act_peak, out_dtype,
-                                      _limit(kernels, "fp8", x), PANEL_BYTES)
+    return route[0].fp8_linear_direct(x, weight, scale, bias, block, act_quant, act_peak, out_dtype, route[1],
+                                      PANEL_BYTES)
 
 
 def direct_fp4_linear(x, weight, scale, bias, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
     """:func:`fp4_linear` without the ``torch_bq::`` dispatcher, or ``None``; see :func:`direct_fp8_linear`."""
-    if not _plain_args(x, weight, scale, bias, act_quant, out_dtype):
+    route = _direct_route(op_defs._fp4_linear, "fp4", x, weight, scale, bias, act_quant, act_peak, out_dtype)
+    if route is None:
         return None
-    found = _direct(op_defs._fp4_linear)
-    if found is None or not _peak_ok(act_peak):
-        return None
-    kernels, entries = found
-    return entries[1](x, weight, scale, bias, act_quant, act_peak, out_dtype,
-                                      _limit(kernels, "fp4", x), PANEL_BYTES)
+    return route[0].fp4_linear_direct(x, weight, scale, bias, act_quant, act_peak, out_dtype, route[1], PANEL_BYTES)
 
 
 # --------------------------------------------------------------------------- #
