@@ -751,9 +751,10 @@ def test_fp8_every_byte_at_every_block_position(impl, block, path):
 @impls
 @pytest.mark.parametrize("k", [288, 97])
 def test_fp4_every_nibble_at_every_group_position(impl, k, path):
-    """Every e2m1 nibble (low and high) at each of the 64 positions of a two-block group (the
-    AVX2 decoder's output order is a permutation of the group) and in the F16C remainder (a
-    trailing single block at K = 288; a partial block and the odd padding nibble at K = 97),
+    """Every e2m1 nibble (low and high) at each of the 64 positions of a two-block group and the
+    128 of a four-block span (the AVX2 and AVX-512 BF16 decoders' output orders are permutations
+    of these) and in the F16C remainder (a trailing single block at K = 288, a partial span;
+    a partial block and the odd padding nibble at K = 97),
     under scale codes 0, 1, 2, 127, 130, 250, 252 (6 * 2**125 is still finite), isolated by
     one-hot activations and compared exactly with the dequantized weight."""
     n = 16

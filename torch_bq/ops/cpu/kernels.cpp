@@ -749,23 +749,24 @@ std::atomic<int64_t> dot_decode_calls[2];
 // instruction is exact IEEE arithmetic. A call whose A has a smaller
 // exponent (or values that are not bf16) takes the fp32 path instead.
 //
-// Layout: K in groups of 64 elements (two 32-blocks). A group of a weight row
-// decodes to two registers of 32 bf16 words in an order that is cheapest to
-// produce (Fp8Dot::element / Fp4Dot::element say which element each word
-// holds); A is copied once per call into bf16 [M, Kp] (Kp = K rounded up to
-// 64, zero padded) with every group in that same order. In both orders fp32
-// lanes 0-7 of the dot product hold the group's first block and lanes 8-15
-// its second, so one register of 16 lane scales serves the group.
+// Layout: K in groups of D::kGroupElems elements (64 = two 32-blocks; 128 =
+// four for Fp4Span). A group of a weight row decodes to D::kRegs registers of
+// 32 bf16 words in an order that is cheapest to produce (D::element says which
+// element each word holds); A is copied once per call into bf16 [M, Kp] (Kp =
+// K rounded up to the group, zero padded) with every group in that same
+// order. In every order fp32 lane l of the dot product holds block
+// l / (16 / blocks per group) of the group, so one register of 16 lane scales
+// serves it.
 //   for n-tile (NT rows): for m-tile (MT rows): for 16-block span:
 //     s16 = e8m0 scales of the span (per row)
-//     for group g: w0, w1 = decode(W[n, g]); for m: t = dot(w0, A0) + dot(w1, A1)
+//     for group g: w[] = decode(W[n, g]); for m: t = sum over r of dot(w[r], A[r])
 //                  acc[m][n] += t * s16[lanes of g]
 // Tiles: below Fold<D>::kMinRows rows (7 for both formats), NT = 4 weight rows x
-// MT = 1-5 (fp4) or 1-3 (fp8) rows with the per-lane scales above (taller M:
-// several row tiles over the same 4 weight rows, the later ones reading them
-// from L1); from there the
-// folded K-block tiles (section "From Fold<D>::kMinRows rows" below), for
-// every e8m0 block height.
+// MT = 1-5 (fp4: Fp4Span for 1 and 2 rows, Fp4Dot from 3) or 1-3 (fp8) rows
+// with the per-lane scales above (taller M: several row tiles over the same 4
+// weight rows, the later ones reading them from L1); from there the folded
+// K-block tiles (section "From Fold<D>::kMinRows rows" below), for every e8m0
+// block height.
 // Tiles prefetch the weight rows ahead (and their scales): short row streams
 // do not train the hardware prefetchers.
 namespace dotbf16 {
@@ -778,6 +779,8 @@ constexpr int64_t kGroup = 64;
 // register is element 16 * (q / 8) + q % 8, of the second 8 more.
 struct Fp8Dot {
   static constexpr int kMinExponentA = -126 + 7 + 9;
+  static constexpr int64_t kGroupElems = 64;
+  static constexpr int kRegs = 2;
   static constexpr int64_t kGroupBytes = 64;
   static int64_t element(int64_t word) {
     const int64_t half = word / 32, q = word % 32;
@@ -796,11 +799,11 @@ struct Fp8Dot {
     lo0 = _mm512_load_si512(lo);
     lo1 = _mm512_load_si512(lo + 64);
   }
-  void decode(const uint8_t* row, int64_t g, __m512i& w0, __m512i& w1) const {
-    bytes(_mm512_loadu_si512(row + g * 64), w0, w1);
+  void decode(const uint8_t* row, int64_t g, __m512i (&w)[kRegs]) const {
+    bytes(_mm512_loadu_si512(row + g * 64), w[0], w[1]);
   }
-  void decode_masked(const uint8_t* row, int64_t g, __mmask64 valid, __m512i& w0, __m512i& w1) const {
-    bytes(_mm512_maskz_loadu_epi8(valid, row + g * 64), w0, w1);
+  void decode_masked(const uint8_t* row, int64_t g, __mmask64 valid, __m512i (&w)[kRegs]) const {
+    bytes(_mm512_maskz_loadu_epi8(valid, row + g * 64), w[0], w[1]);
   }
   void bytes(__m512i b, __m512i& w0, __m512i& w1) const {
     __m512i hi = _mm512_permutex2var_epi8(hi0, b, hi1);  // index bits 0-6: the magnitude
@@ -815,12 +818,14 @@ struct Fp8Dot {
   }
 };
 
-// MXFP4: 32 bytes zero-extended to words; a 16-bit lookup of the low nibble
-// (index bits 0-4, so the table is the 16 e2m1 values twice) gives the even
-// elements, of the word shifted right by 4 the odd ones: word q of the first
-// register is element 2q, of the second 2q + 1.
+// MXFP4 for the folded tiles: 32 bytes zero-extended to words; a 16-bit lookup
+// of the low nibble (index bits 0-4, so the table is the 16 e2m1 values twice)
+// gives the even elements, of the word shifted right by 4 the odd ones: word q
+// of the first register is element 2q, of the second 2q + 1.
 struct Fp4Dot {
   static constexpr int kMinExponentA = -126 + 7 + 1;
+  static constexpr int64_t kGroupElems = 64;
+  static constexpr int kRegs = 2;
   static constexpr int64_t kGroupBytes = 32;
   static int64_t element(int64_t word) { return word < 32 ? 2 * word : 2 * (word - 32) + 1; }
   __m512i lut;
@@ -829,11 +834,11 @@ struct Fp4Dot {
     for (int i = 0; i < 32; ++i) t[i] = static_cast<uint16_t>(bits_from_f32(kTables.fp4[i % 16]) >> 16);
     lut = _mm512_load_si512(t);
   }
-  void decode(const uint8_t* row, int64_t g, __m512i& w0, __m512i& w1) const {
-    bytes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 32)), w0, w1);
+  void decode(const uint8_t* row, int64_t g, __m512i (&w)[kRegs]) const {
+    bytes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 32)), w[0], w[1]);
   }
-  void decode_masked(const uint8_t* row, int64_t g, __mmask32 valid, __m512i& w0, __m512i& w1) const {
-    bytes(_mm256_maskz_loadu_epi8(valid, row + g * 32), w0, w1);
+  void decode_masked(const uint8_t* row, int64_t g, __mmask32 valid, __m512i (&w)[kRegs]) const {
+    bytes(_mm256_maskz_loadu_epi8(valid, row + g * 32), w[0], w[1]);
   }
   void bytes(__m256i raw, __m512i& w0, __m512i& w1) const {
     const __m512i b = _mm512_cvtepu8_epi16(raw);
@@ -844,6 +849,43 @@ struct Fp4Dot {
     const int64_t left = row_bytes - g * 32;
     return left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
   }
+};
+
+// MXFP4 for the per-lane tiles of 1 and 2 rows: 64 bytes (128 elements) read as
+// 32 words, no widening; the lookup of each word's bits 4r .. 4r + 4 (Fp4Dot's
+// table: bit 4 does not matter) gives register r, so word q of register r is
+// element 4q + r, and lanes 4b .. 4b + 3 of a dot product hold block b. Per 64
+// elements that is 2 lookups, 1.5 shifts and half a scale multiply and
+// permute, against Fp4Dot's widening, 2 lookups, 1 shift and a whole one. At
+// M = 1 and 2 the decode is the cost even with the weight in memory (4096 x
+// 4096, M = 1: 248-264 us per call from L3, 279-307 us from memory). These
+// spans took 0.83-0.99x of Fp4Dot's time at M = 1 and 0.82-0.98x at M = 2 on
+// four of the five benchmark shapes, and 1.02-1.07x / 0.94-0.98x on 4096 x
+// 14336 (kernel calls interleaved in one process, cold cache, 11-21 rounds,
+// four runs, 1 thread, Zen 5). From 3 rows they were no faster (0.95-1.09x):
+// the multiply, not the decode, is the cost there.
+// Fp4Dot stays for those and for the folded tiles, whose scratch and scale fold
+// work in 64s.
+struct Fp4Span {
+  static constexpr int kMinExponentA = Fp4Dot::kMinExponentA;
+  static constexpr int64_t kGroupElems = 128;
+  static constexpr int kRegs = 4;
+  static constexpr int64_t kGroupBytes = 64;
+  static int64_t element(int64_t word) { return 4 * (word % 32) + word / 32; }
+  __m512i lut = Fp4Dot().lut;
+  void decode(const uint8_t* row, int64_t g, __m512i (&w)[kRegs]) const {
+    words(_mm512_loadu_si512(row + g * 64), w);
+  }
+  void decode_masked(const uint8_t* row, int64_t g, __mmask64 valid, __m512i (&w)[kRegs]) const {
+    words(_mm512_maskz_loadu_epi8(valid, row + g * 64), w);
+  }
+  void words(__m512i raw, __m512i (&w)[kRegs]) const {
+    w[0] = _mm512_permutexvar_epi16(raw, lut);
+    w[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), lut);
+    w[2] = _mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 8), lut);
+    w[3] = _mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 12), lut);
+  }
+  static __mmask64 valid_bytes(int64_t row_bytes, int64_t g) { return Fp8Dot::valid_bytes(row_bytes, g); }
 };
 
 template <class Fmt>
@@ -874,19 +916,29 @@ inline __m512 e8m0x16(const uint8_t* codes, __mmask16 valid) {
 template <class D>
 int prepare_activation(const float* A, int64_t M, int64_t K, int64_t kp, int64_t stride, uint16_t* dst,
                        int* max_field_out) {
-  // The 64 words of a group in natural order are two registers; one
-  // two-register word permute per output register puts them in D's order.
-  alignas(64) uint16_t order[kGroup];
-  for (int64_t j = 0; j < kGroup; ++j) order[j] = static_cast<uint16_t>(D::element(j));
-  const __m512i idx0 = _mm512_load_si512(order), idx1 = _mm512_load_si512(order + 32);
+  // The words of a group in natural order are D::kRegs registers, pairs of them
+  // 64 words; output register r takes each word from one pair (a two-register
+  // word permute of it), the pair picked per word by `upper` (128-word groups).
+  constexpr int64_t kWords = D::kGroupElems;
+  constexpr int kRegs = D::kRegs;
+  alignas(64) uint16_t order[kWords];
+  for (int64_t j = 0; j < kWords; ++j) order[j] = static_cast<uint16_t>(D::element(j) % 64);
+  __m512i idx[kRegs];
+  __mmask32 upper[kRegs];
+  for (int r = 0; r < kRegs; ++r) {
+    idx[r] = _mm512_load_si512(order + 32 * r);
+    upper[r] = 0;
+    for (int q = 0; q < 32; ++q)
+      if (D::element(32 * r + q) >= 64) upper[r] |= __mmask32(1) << q;
+  }
   __m512i min_field = _mm512_set1_epi32(255), max_field = _mm512_setzero_si512(), low_bits = _mm512_setzero_si512();
   const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), low = _mm512_set1_epi32(0xFFFF);
   for (int64_t m = 0; m < M; ++m) {
     const float* a = A + m * K;
     uint16_t* d = dst + m * stride;
-    for (int64_t k0 = 0; k0 < kp; k0 += kGroup) {
-      __m256i words[4];
-      for (int q = 0; q < 4; ++q) {
+    for (int64_t k0 = 0; k0 < kp; k0 += kWords) {
+      __m256i words[2 * kRegs];
+      for (int q = 0; q < 2 * kRegs; ++q) {
         const int64_t left = K - (k0 + 16 * q);
         const __mmask16 valid = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
         const __m512i bits = _mm512_castps_si512(_mm512_maskz_loadu_ps(valid, a + k0 + 16 * q));
@@ -897,10 +949,14 @@ int prepare_activation(const float* A, int64_t M, int64_t K, int64_t kp, int64_t
         max_field = _mm512_max_epu32(max_field, field);
         words[q] = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
       }
-      const __m512i n0 = _mm512_inserti64x4(_mm512_castsi256_si512(words[0]), words[1], 1);
-      const __m512i n1 = _mm512_inserti64x4(_mm512_castsi256_si512(words[2]), words[3], 1);
-      _mm512_storeu_si512(d + k0, _mm512_permutex2var_epi16(n0, idx0, n1));
-      _mm512_storeu_si512(d + k0 + 32, _mm512_permutex2var_epi16(n0, idx1, n1));
+      __m512i n[kRegs];
+      for (int r = 0; r < kRegs; ++r) n[r] = _mm512_inserti64x4(_mm512_castsi256_si512(words[2 * r]), words[2 * r + 1], 1);
+      for (int r = 0; r < kRegs; ++r) {
+        __m512i out = _mm512_permutex2var_epi16(n[0], idx[r], n[1]);
+        if constexpr (kRegs == 4)
+          out = _mm512_mask_blend_epi16(upper[r], out, _mm512_permutex2var_epi16(n[2], idx[r], n[3]));
+        _mm512_storeu_si512(d + k0 + 32 * r, out);
+      }
     }
   }
   if (max_field_out != nullptr) *max_field_out = static_cast<int>(_mm512_reduce_max_epu32(max_field));
@@ -910,10 +966,10 @@ int prepare_activation(const float* A, int64_t M, int64_t K, int64_t kp, int64_t
 
 struct Problem {
   const WeightView* w;
-  const uint16_t* a;  // bf16 [M, kp], rows a_stride words apart
+  const uint16_t* a;  // bf16 [M, kp] in the decoder's order, rows a_stride words apart
   int a_min_field;    // smallest exponent field of a nonzero A value (255: none)
   int a_max_field;    // largest (0: none)
-  int64_t kp, a_stride, ngroups, nblocks, row_bytes;
+  int64_t kp, a_stride, ngroups, nblocks, row_bytes;  // ngroups: of the decoder's kGroupElems
   float* out;         // [M, N]
   int64_t N;
 };
@@ -933,7 +989,12 @@ void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
   __m512 acc[MT][NT];
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
-  const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  // Lane l of a group's dot product holds its block l / (16 / kBlocks); the 16
+  // scales loaded at a time serve 16 / kBlocks groups.
+  constexpr int kBlocks = static_cast<int>(D::kGroupElems / 32), kSpan = 16 / kBlocks;
+  alignas(64) int32_t first[16];
+  for (int l = 0; l < 16; ++l) first[l] = l / kSpan;
+  const __m512i lanes0 = _mm512_load_si512(first);
   const int64_t full = p.row_bytes / D::kGroupBytes;  // groups without a partial load
   // The weight streams from memory in NT short row streams, too short for the
   // hardware prefetchers to ramp up; so each group also prefetches its share
@@ -950,53 +1011,55 @@ void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
     for (int64_t c = 0; c < kAheadLines; ++c)
       _mm_prefetch(reinterpret_cast<const char*>(ahead + (g * kAheadLines + c) * 64), _MM_HINT_T0);
     for (int j = 0; j < NT; ++j) {
-      __m512i w0, w1;
+      __m512i wv[D::kRegs];
       if constexpr (decltype(masked)::value)
-        dec.decode_masked(rows[j], g, D::valid_bytes(p.row_bytes, g), w0, w1);
+        dec.decode_masked(rows[j], g, D::valid_bytes(p.row_bytes, g), wv);
       else
-        dec.decode(rows[j], g, w0, w1);
+        dec.decode(rows[j], g, wv);
       const __m512 s = _mm512_permutexvar_ps(lanes, s16[j]);
       for (int i = 0; i < MT; ++i) {
-        const uint16_t* a = arows[i] + g * kGroup;
-        __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w0, (__m512bh)_mm512_loadu_si512(a));
-        t = _mm512_dpbf16_ps(t, (__m512bh)w1, (__m512bh)_mm512_loadu_si512(a + 32));
+        const uint16_t* a = arows[i] + g * D::kGroupElems;
+        __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)wv[0], (__m512bh)_mm512_loadu_si512(a));
+        for (int r = 1; r < D::kRegs; ++r)
+          t = _mm512_dpbf16_ps(t, (__m512bh)wv[r], (__m512bh)_mm512_loadu_si512(a + 32 * r));
         acc[i][j] = _mm512_fmadd_ps(t, s, acc[i][j]);
       }
     }
   };
-  for (int64_t g0 = 0; g0 < p.ngroups; g0 += 8) {
-    // Scales of blocks 2 g0 .. 2 g0 + 15 (the eight groups of this span).
-    const int64_t left = p.nblocks - 2 * g0;
+  for (int64_t g0 = 0; g0 < p.ngroups; g0 += kSpan) {
+    // Scales of blocks kBlocks g0 .. kBlocks g0 + 15 (the kSpan groups from g0).
+    const int64_t left = p.nblocks - kBlocks * g0;
     const __mmask16 svalid = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
     __m512 s16[NT];
-    for (int j = 0; j < NT; ++j) s16[j] = e8m0x16(srows[j] + 2 * g0, svalid);
-    const int64_t g1 = std::min(p.ngroups, g0 + 8);
-    __m512i lanes = pair;
+    for (int j = 0; j < NT; ++j) s16[j] = e8m0x16(srows[j] + kBlocks * g0, svalid);
+    const int64_t g1 = std::min(p.ngroups, g0 + kSpan);
+    __m512i lanes = lanes0;
     int64_t g = g0;
     for (; g < std::min(g1, full); ++g) {
       group(g, s16, lanes, std::false_type{});
-      lanes = _mm512_add_epi32(lanes, _mm512_set1_epi32(2));
+      lanes = _mm512_add_epi32(lanes, _mm512_set1_epi32(kBlocks));
     }
     for (; g < g1; ++g) {
       group(g, s16, lanes, std::true_type{});
-      lanes = _mm512_add_epi32(lanes, _mm512_set1_epi32(2));
+      lanes = _mm512_add_epi32(lanes, _mm512_set1_epi32(kBlocks));
     }
   }
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NT; ++j) p.out[(m0 + i) * p.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-// The tallest per-lane-scale tile over 4 weight rows, by format. fp4: 5 x 4
+// The tallest per-lane-scale tile over 4 weight rows, by decoder. Fp4Dot: 5 x 4
 // accumulators, 4 scale registers, the decoded pair and the lane permute fit
 // the 32 zmm (M = 5 in one tile took 0.87-0.94x the time of two tiles of 3 and
-// 2 rows, which decode the weight twice; 1 thread, Zen 5). fp8: 3. Its 4- and
+// 2 rows, which decode the weight twice; 1 thread, Zen 5). Fp4Span: 2 (linear()
+// gives it only M = 1 and 2; see there). fp8: 3. Its 4- and
 // 5-row tiles (four more registers for the byte tables) cost more per row than
 // two shorter tiles, the second of which reads the 4 weight rows from L1: M = 4
 // as 2 + 2 took 0.81-0.93x the time of one 4-row tile, M = 5 as 2 + 3
 // 0.66-0.78x (kernel calls interleaved in one process, cold cache, 3 x 21 rounds,
 // five shapes, 2026-12-02).
 template <class D>
-constexpr int kDirectMaxMT = std::is_same_v<D, Fp8Dot> ? 3 : 5;
+constexpr int kDirectMaxMT = std::is_same_v<D, Fp8Dot> ? 3 : std::is_same_v<D, Fp4Span> ? 2 : 5;
 
 template <class D, int NT>
 void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
@@ -1276,11 +1339,11 @@ bool folded_rows(const D& dec, const Problem& p, int64_t M, int64_t n0, int64_t 
   return true;
 }
 
-// The whole decode-path call; false (nothing written) when A cannot take it.
-template <class Fmt>
-bool linear(const WeightView& w, const float* A, int64_t M, int64_t N, float* out) {
-  using D = typename DotFor<Fmt>::type;
-  const int64_t kp = (w.K + kGroup - 1) / kGroup * kGroup;
+// The decode-path call with decoder D (A in its order); false (nothing written)
+// when A cannot take it.
+template <class Fmt, class D>
+bool decode_with(const WeightView& w, const float* A, int64_t M, int64_t N, float* out) {
+  const int64_t kp = (w.K + D::kGroupElems - 1) / D::kGroupElems * D::kGroupElems;
   // Rows one cache line longer than kp: with a row length that is a multiple
   // of 4 KiB, the rows of a K-block would all fall into the same L1 sets.
   // The buffer starts on a cache line, so no 64-byte load of A straddles two.
@@ -1299,21 +1362,23 @@ bool linear(const WeightView& w, const float* A, int64_t M, int64_t N, float* ou
   const int a_min_field = prepare_activation<D>(A, M, w.K, kp, a_stride, a, &a_max_field);
   if (a_min_field < 0 || (a_min_field != 255 && a_min_field - 127 < D::kMinExponentA)) return false;
   static const D dec;
-  const Problem p{&w, a, a_min_field, a_max_field, kp, a_stride, kp / kGroup, (w.K + 31) / 32, Fmt::row_bytes(w.K),
-                  out, N};
+  const Problem p{&w, a, a_min_field, a_max_field, kp, a_stride, kp / D::kGroupElems, (w.K + 31) / 32,
+                  Fmt::row_bytes(w.K), out, N};
   constexpr int64_t kRowsPerTask = 16;  // a multiple of every NT and of kFoldRows
-  if (M >= Fold<D>::kMinRows) {
-    dot_decode_calls[1].fetch_add(1, std::memory_order_relaxed);
-    run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
-      thread_local FoldBuffers buf;
-      const int64_t n_end = std::min(N, (t + 1) * kRowsPerTask);
-      for (int64_t n = t * kRowsPerTask; n < n_end; n += kFoldRows) {
-        const int64_t rows = std::min(kFoldRows, n_end - n);
-        if (!folded_rows(dec, p, M, n, rows, buf))  // scales or bytes out of the folded range
-          for (int64_t r = n; r < n + rows; ++r) rows_tile<D, 1>(dec, p, M, r);
-      }
-    });
-    return true;
+  if constexpr (std::is_same_v<D, typename DotFor<Fmt>::type>) {
+    if (M >= Fold<D>::kMinRows) {
+      dot_decode_calls[1].fetch_add(1, std::memory_order_relaxed);
+      run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
+        thread_local FoldBuffers buf;
+        const int64_t n_end = std::min(N, (t + 1) * kRowsPerTask);
+        for (int64_t n = t * kRowsPerTask; n < n_end; n += kFoldRows) {
+          const int64_t rows = std::min(kFoldRows, n_end - n);
+          if (!folded_rows(dec, p, M, n, rows, buf))  // scales or bytes out of the folded range
+            for (int64_t r = n; r < n + rows; ++r) rows_tile<D, 1>(dec, p, M, r);
+        }
+      });
+      return true;
+    }
   }
   dot_decode_calls[0].fetch_add(1, std::memory_order_relaxed);
   run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
@@ -1323,6 +1388,16 @@ bool linear(const WeightView& w, const float* A, int64_t M, int64_t N, float* ou
     for (; n < n_end; ++n) rows_tile<D, 1>(dec, p, M, n);
   });
   return true;
+}
+
+// The whole decode-path call; false (nothing written) when A cannot take it.
+// MXFP4 with M = 1 or 2 takes Fp4Span's 128-element spans.
+template <class Fmt>
+bool linear(const WeightView& w, const float* A, int64_t M, int64_t N, float* out) {
+  if constexpr (std::is_same_v<Fmt, Fp4Format>) {
+    if (M <= kDirectMaxMT<Fp4Span>) return decode_with<Fmt, Fp4Span>(w, A, M, N, out);
+  }
+  return decode_with<Fmt, typename DotFor<Fmt>::type>(w, A, M, N, out);
 }
 
 }  // namespace dotbf16
