@@ -858,7 +858,7 @@ struct Fp4Dot {
 // elements that is 2 lookups, 1.5 shifts and half a scale multiply and
 // permute, against Fp4Dot's widening, 2 lookups, 1 shift and a whole one. At
 // M = 1 and 2 the decode is the cost even with the weight in memory (4096 x
-// 4096, M = 1: 248-264 us per call from L3, 279-307 us from memory). These
+// 4096, M = 1: 245-272 us per call from L3, 279-307 us from memory). These
 // spans took 0.83-0.99x of Fp4Dot's time at M = 1 and 0.82-0.98x at M = 2 on
 // four of the five benchmark shapes, and 1.02-1.07x / 0.94-0.98x on 4096 x
 // 14336 (kernel calls interleaved in one process, cold cache, 11-21 rounds,
