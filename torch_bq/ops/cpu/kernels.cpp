@@ -2054,10 +2054,10 @@ struct DenseRows {
     const uint16_t* last = nullptr;  // the last row's
     int64_t stride = 0, units = 0, total = 0, j = 0;
     Scan scan;
-    // No prefetch of A with these steps (dot_chunk): with it, bf16_linear was slower at 4 of
-    // the 5 shapes at M = 512 and at every one at M = 128 (in-process A/B, 2-12%), faster only
-    // at 4096 x 14336, M = 512 (2%); cause not found (perhaps the prefetched A pushing out of
-    // L2 the weight rows the scan brought in, which only a decoded panel does not need).
+    // No prefetch of A with these steps (dot_chunk): with it, bf16_linear was slower in 18 of
+    // 20 cells (five shapes, M = 128 and 512, two alternating runs; by up to 6%) and faster in
+    // 2 (by 3-4%); cause not found (perhaps the prefetched A pushing out of L2 the weight rows
+    // the scan brought in, which a decoded panel does not need).
     static constexpr bool kPrefetchesA = false;
     int64_t steps() const { return total; }
     LowBits bits() const { return {static_cast<int>(scan.min_exp()) - 134, scan.tiny != 0}; }
