@@ -535,6 +535,9 @@ PREFILL_EDGES = [
     (130, 7, 2050, (32, 32), torch.float8_e8m0fnu),  # last A block 2 rows; K = two chunks and 2
     (71, 1, 200, (128, 128), torch.float32),  # DeepSeek scales: the fp32 microkernel at every level
     (65, 5, 33, (1, 32), torch.uint8),  # K not a multiple of 32: a partial last block
+    # four A blocks, the last 15 rows (the tiles of the third prefetch it from a 16-row block); K three
+    # chunks and 64 (the last chunk's tiles prefetch a short chunk's worth from the first block's start)
+    (207, 11, 3136, (1, 32), torch.uint8),
 ]
 
 

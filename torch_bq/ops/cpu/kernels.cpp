@@ -1663,8 +1663,10 @@ at::Tensor pack_activation(const at::Tensor& A, int64_t kp2, LowBits& bits) {
 
 // The decode of the next K chunk's panel, cut into steps of 32 elements that
 // the register tiles of the current chunk interleave with their vdpbf16ps
-// (see PanelJob below). NoJob: nothing to interleave.
+// (see PanelJob below). NoJob: nothing to interleave. A job's kPrefetchesA says
+// whether its steps also carry dot_chunk's prefetch of A (PrefetchingJob).
 struct NoJob {
+  static constexpr bool kPrefetchesA = false;
   void step() {}
 };
 
@@ -1675,9 +1677,13 @@ struct NoJob {
 // and integer work use ports the vdpbf16ps chains leave idle, and its memory
 // latency hides behind them (done as a separate pass, the decode took about a
 // fifth of the multiply's time at M = 128, half of it waiting on memory).
+// Never inlined: inlined into its caller (where it has a single one), the tile's
+// registers were allocated in the caller's context, and bf16_linear's tiles ran
+// about a tenth slower at M = 128.
 template <int NR, int MV, class Job>
-void dot_tile(const uint16_t* w, int64_t ws, const uint32_t* a, int64_t as, int64_t kp, float* c, int64_t ldc,
-              bool accumulate, __mmask16 tail, Job* job, int64_t steps) {
+__attribute__((noinline)) void dot_tile(const uint16_t* w, int64_t ws, const uint32_t* a, int64_t as, int64_t kp,
+                                        float* c, int64_t ldc, bool accumulate, __mmask16 tail, Job* job,
+                                        int64_t steps) {
   __m512 acc[NR][MV];
   for (int r = 0; r < NR; ++r)
     for (int v = 0; v < MV; ++v)
@@ -1737,23 +1743,50 @@ inline DotTile<NoJob> partial_dot_tile(int nr, int mv) {
   }
 }
 
+// A job whose steps also bring A's next pairs into L2 (dot_chunk): after each
+// step of the job, the lines of [ahead, edge += per_step).
+template <class Job>
+struct PrefetchingJob {
+  Job* job;
+  const char* ahead = nullptr;
+  const char* edge = nullptr;
+  int64_t per_step = 0;
+  void step() {
+    job->step();
+    for (edge += per_step; ahead < edge; ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
+  }
+};
+
 // C^T[rows, M] (+)= panel[rows, 2 kp] x A^T[pairs p0 .. p0 + kp) with the packed A; panel
 // rows are ws pairs apart (kp for a decoded panel, K / 2 for bf16 weights read in place).
 // Meanwhile `job` (null: none) decodes the next panel, its steps shared out
-// over the full register tiles (any left run at the end). (A software prefetch
-// of the panel after next into L2, a share of its lines issued before each
-// register tile, cost 1-5% at every shape measured once the steps prefetch
-// the next row themselves: removed.)
+// over the full register tiles (any left run at the end), and where the job
+// says so the same steps prefetch the pairs the tiles read next into L2, an
+// equal share per tile: a block's 16 tiles read its pairs of the chunk (128 KiB)
+// from L2, but its first tile would otherwise wait for them on L3 or memory (at
+// M = 512, K = 14336 the packed A is 14.7 MB, read again by every row group; in a
+// microbenchmark of the tiles alone the prefetch took them from about 90% to 96%
+// of their rate with A held in L2). (A software prefetch of the panel after next
+// into L2, a share of its lines issued before each register tile, cost 1-5% at
+// every shape measured once the steps prefetch the next row themselves: removed.)
 template <class Job>
 void dot_chunk(const uint16_t* panel, int64_t ws, int64_t rows, const uint32_t* apack, int64_t kp2, int64_t p0,
                int64_t kp, int64_t M, float* c, bool accumulate, Job* job, int64_t steps) {
-  const int64_t blocks = (M + kDotBlock - 1) / kDotBlock;
-  int64_t job_calls = job == nullptr ? 0 : blocks * (rows / kDotRows);
+  const int64_t blocks = (M + kDotBlock - 1) / kDotBlock, tiles = rows / kDotRows;
+  int64_t job_calls = job == nullptr ? 0 : blocks * tiles;
+  PrefetchingJob<Job> prefetching{job};
   for (int64_t m0 = 0; m0 < M; m0 += kDotBlock) {
     const int64_t width = packed_block_width(M, m0), cols = std::min(kDotBlock, M - m0);
     const int mv = static_cast<int>(width / 16);
     const __mmask16 tail = cols % 16 == 0 ? __mmask16(0xFFFF) : __mmask16((1u << (cols % 16)) - 1);
     const uint32_t* a = apack + m0 * kp2 + p0 * width;
+    // What the tiles read next: this chunk's pairs of the next block, else the first
+    // block's next chunk (or its first chunk, where the next row group starts).
+    const int64_t next_m0 = m0 + kDotBlock < M ? m0 + kDotBlock : 0;
+    const int64_t next_p0 = next_m0 > 0 ? p0 : p0 + kp < kp2 ? p0 + kp : 0;
+    const int64_t next_width = packed_block_width(M, next_m0);
+    const char* next = reinterpret_cast<const char*>(apack + next_m0 * kp2 + next_p0 * next_width);
+    const int64_t span = tiles > 0 ? std::min(kp, kp2 - next_p0) * next_width * 4 / tiles : 0;  // bytes per tile
     for (int64_t r0 = 0; r0 < rows; r0 += kDotRows) {
       const uint16_t* w = panel + 2 * r0 * ws;
       float* ct = c + r0 * M + m0;
@@ -1761,7 +1794,14 @@ void dot_chunk(const uint16_t* panel, int64_t ws, int64_t rows, const uint32_t* 
         partial_dot_tile(static_cast<int>(rows - r0), mv)(w, ws, a, width, kp, ct, M, accumulate, tail, nullptr, 0);
       } else if (job_calls > 0) {
         const int64_t share = (steps + job_calls - 1) / job_calls;
-        dot_tile_for<kDotRows, Job>(mv)(w, ws, a, width, kp, ct, M, accumulate, tail, job, share);
+        if constexpr (Job::kPrefetchesA) {
+          prefetching.ahead = prefetching.edge = next + r0 / kDotRows * span;
+          prefetching.per_step = share > 0 ? span / share : 0;
+          dot_tile_for<kDotRows, PrefetchingJob<Job>>(mv)(w, ws, a, width, kp, ct, M, accumulate, tail, &prefetching,
+                                                          share);
+        } else {
+          dot_tile_for<kDotRows, Job>(mv)(w, ws, a, width, kp, ct, M, accumulate, tail, job, share);
+        }
         steps -= share;
         --job_calls;
       } else {
@@ -1823,6 +1863,7 @@ struct QuantPanelJob {
   int64_t row_stride = 0, scale_stride = 0, bn = 1, kb0 = 0, per_block = 1, padded = 0;
   int64_t n = 0, n_end = 0, units = 0, total = 0, j = 0, jb = 0, b = 0;
   LowBits low{0, true};
+  static constexpr bool kPrefetchesA = true;  // see dot_chunk
 
   bool init(const WeightView& w, int64_t n0, int64_t rows, int64_t k0, int64_t k1, uint16_t* dst, int64_t padded_) {
     constexpr bool fp8 = std::is_same_v<Fmt, Fp8Format>;
@@ -2079,16 +2120,28 @@ struct DenseRows {
   }
 #if defined(TORCH_BQ_AVX512_BF16)
   // The bound of the next chunk of in-place weights (whole 32-element units), as steps of
-  // 32 elements (row by row) inside the current chunk's register tiles: one load and a few
-  // integer operations each, which also bring the rows into L1 before they are multiplied.
+  // 32 elements (row by row) inside the current chunk's register tiles: one load, one
+  // prefetch and a few integer operations each, which also bring the rows into L1 before
+  // they are multiplied.
   // The same bound as scan(). Kept this small: the tiles leave it five vector registers.
   struct ScanJob {
     const uint16_t* row = nullptr;  // the current row at the chunk's first element
+    const uint16_t* last = nullptr;  // the last row's
     int64_t stride = 0, units = 0, total = 0, j = 0;
     Scan scan;
+    // No prefetch of A with these steps (dot_chunk): with it, bf16_linear was slower in 18 of
+    // 20 cells (five shapes, M = 128 and 512, two alternating runs; by up to 6%) and faster in
+    // 2 (by 3-4%); cause not found (perhaps the prefetched A pushing out of L2 the weight rows
+    // the scan brought in, which a decoded panel does not need).
+    static constexpr bool kPrefetchesA = false;
     int64_t steps() const { return total; }
     LowBits bits() const { return {static_cast<int>(scan.min_exp()) - 134, scan.tiny != 0}; }
     void step() {
+      // The next row's elements at this position, a row of steps ahead, as QuantPanelJob's
+      // steps do (rows are K elements apart, each in other pages, where the hardware's stream
+      // prefetch starts over: without this, bf16_linear at M = 128 was 2-6% slower at four
+      // shapes, in-process A/B).
+      if (row != last) _mm_prefetch(reinterpret_cast<const char*>(row + stride + 32 * j), _MM_HINT_T0);
       scan.add(_mm512_loadu_si512(reinterpret_cast<const void*>(row + 32 * j)));
       if (++j == units) {
         j = 0;
@@ -2101,6 +2154,7 @@ struct DenseRows {
     const uint16_t* first = in_place(n0, k0);
     if (first == nullptr || (k1 - k0) % 32 != 0) return false;  // scanned (or copied) on its own
     job.row = first;
+    job.last = first + (rows - 1) * K;
     job.stride = K;
     job.units = (k1 - k0) / 32;
     job.total = rows * job.units;
