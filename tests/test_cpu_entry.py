@@ -8,8 +8,8 @@ what the twin tests of test_cpu_kernels.py hold to the contract). They refuse
 without the torch_bq:: dispatcher only where nothing could tell the difference.
 """
 
-import dataclasses
 import shutil
+import sys
 import types
 import warnings
 from pathlib import Path
@@ -416,29 +416,114 @@ def test_modules_find_their_tensors_wherever_they_are_registered():
         assert torch.equal(module(x), expected)
 
 
+def profiled(fn):
+    """``fn()``'s Python frames (code objects) and the builtins it called, in order (``sys.setprofile``)."""
+    events = []
+
+    def record(frame, event, arg):
+        if event == "call":
+            events.append(frame.f_code)
+        elif event == "c_call":
+            events.append(arg)
+
+    sys.setprofile(record)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return events
+
+
 @pytest.mark.skipif(not python_headers(), reason="the libraries are Python modules only when built with Python.h")
-def test_eager_calls_take_the_python_modules_direct_entries(monkeypatch):
-    # The point of the module is to skip torch.ops: the public ops and the modules must call
-    # its direct entries (the profiler cannot tell: both record the entry op's name).
+def test_eager_calls_reach_the_kernel_through_the_c_route():
+    # The point of the C route is to skip Python: after the first call, the public ops and the
+    # modules must call the selected library's route and nothing of the Python direct path or
+    # torch.ops (the profiler cannot tell: every path records the entry op's name).
     torch.manual_seed(0)
     w = torch.randn(48, 64)
     w8, s8 = formats.quantize_fp8(w)
     w4, s4 = formats.quantize_fp4(w)
     x = torch.randn(1, 64, dtype=torch.bfloat16)
-    selection = _backend.cpu_selection()
-    module = selection.entry_module
-    assert module is not None and module is _backend.entry_module(selection.ops)
-    calls = []
+    l8, l4 = bqnn.FP8Linear.from_quantized(w8, s8), bqnn.FP4Linear.from_quantized(w4, s4)
+    module = _backend.cpu_selection().entry_module
+    assert module is not None
+    first8, first4 = ops.fp8_linear(x, w8, s8), ops.fp4_linear(x, w4, s4)  # configures the routes
+    out = []
+    events = profiled(lambda: out.extend((ops.fp8_linear(x, w8, s8), l8(x), ops.fp4_linear(x, w4, s4), l4(x))))
+    routes = {module.fp8_linear_route: "fp8", module.fp4_linear_route: "fp4"}
+    assert [routes[e] for e in events if e in routes] == ["fp8", "fp8", "fp4", "fp4"]
+    python = {e.co_name for e in events if isinstance(e, types.CodeType)}
+    assert not python & {"direct_fp8_linear", "direct_fp4_linear", "_direct_route", "_configure_c_route"}, python
+    assert not any(isinstance(e, types.CodeType) and e.co_filename.endswith("_ops.py") for e in events)
+    expected8 = module.fp8_linear_direct(x, w8, s8, None, [32, 32], True, 224.0, torch.bfloat16,
+                                         fast.decode_max_m(_backend.cpu_kernels(), "fp8", 64), fast.PANEL_BYTES)
+    for y, expected in zip(out, (expected8, expected8, first4, first4)):
+        same_bits(y, expected)
+    same_bits(first8, expected8)
 
-    def recording(name, fn):
-        def call(*args):
-            calls.append(name)
-            return fn(*args)
-        return call
 
-    recorded = types.SimpleNamespace(fp8_linear_direct=recording("fp8", module.fp8_linear_direct),
-                                     fp4_linear_direct=recording("fp4", module.fp4_linear_direct))
-    monkeypatch.setattr(_backend, "_selection", dataclasses.replace(selection, entry_module=recorded))
-    ops.fp8_linear(x, w8, s8), bqnn.FP8Linear.from_quantized(w8, s8)(x)
-    ops.fp4_linear(x, w4, s4), bqnn.FP4Linear.from_quantized(w4, s4)(x)
-    assert calls == ["fp8", "fp8", "fp4", "fp4"]
+@pytest.mark.skipif(not python_headers(), reason="the libraries are Python modules only when built with Python.h")
+@pytest.mark.parametrize("level", LEVELS)
+def test_the_c_route_refuses_what_the_python_route_refuses(level, monkeypatch):
+    # At every level: the route a cap change leads to (the old route's guard no longer holds, so
+    # its Python fallback configures the new level's), refusing (None) every call the Python
+    # direct path would send to the op, and following a replaced decode_max_m.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(0)
+    w = torch.randn(40, 96)
+    w8, s8 = formats.quantize_fp8(w)
+    w4, s4 = formats.quantize_fp4(w)
+    x = torch.randn(2, 96, dtype=torch.bfloat16)
+    previous = _backend.set_cpu_isa_cap(level)
+    try:
+        kernels = _backend.cpu_kernels()
+        module = _backend.entry_module(kernels)
+        assert module is not None and module.isa == level
+        ops.fp8_linear(x, w8, s8), ops.fp4_linear(x, w4, s4)
+        route8, route4 = ops.linear._direct["fp8_linear"], ops.linear._direct["fp4_linear"]
+        assert (route8, route4) == (module.fp8_linear_route, module.fp4_linear_route)
+        m8, m4 = fast.decode_max_m(kernels, "fp8", 96), fast.decode_max_m(kernels, "fp4", 96)
+        args8 = (x, w8, s8, None, (32, 32), True, 224.0, torch.bfloat16)
+        args4 = (x, w4, s4, None, True, 224.0, torch.bfloat16)
+        same_bits(route8(*args8), module.fp8_linear_direct(*args8, m8, fast.PANEL_BYTES))
+        same_bits(route4(*args4), module.fp4_linear_direct(*args4, m4, fast.PANEL_BYTES))
+
+        class Sub(torch.Tensor):
+            pass
+
+        refused = [
+            route8(x.double(), *args8[1:]),  # the entry point's own refusal
+            route8(x.as_subclass(Sub), *args8[1:]),
+            route8(x[0, 0], *args8[1:]),  # 0-d
+            route8(*args8[:4], [32, 32.0], *args8[5:]),
+            route8(*args8[:4], (32,), *args8[5:]),
+            route8(*args8[:4], (32, 1 << 70), *args8[5:]),
+            route8(*args8[:5], 1, *args8[6:]),  # act_quant not a bool
+            route8(*args8[:6], 224, *args8[7:]),  # peak not a float
+            route8(*args8[:6], 449.0, *args8[7:]),  # out of the peak's range
+            route8(*args8[:7], "bfloat16"),
+            route4(*args4[:3], torch.zeros(40).as_subclass(Sub), *args4[4:]),
+            route4(*args4[:5], float("nan"), *args4[6:]),
+        ]
+        with ops.fast_kernels_disabled("cpu"):
+            refused += [route8(*args8), route4(*args4)]
+        with Recorder():
+            refused += [route8(*args8), route4(*args4)]
+        with torch.device("cpu"):  # a TorchFunctionMode
+            refused += [route8(*args8), route4(*args4)]
+        torch.func.vmap(lambda xs: refused.append(route8(xs, *args8[1:])) or xs)(x[None])
+        make_fx(lambda xs: refused.append(route4(xs.clone(), *args4[1:])) or xs, tracing_mode="real")(x)
+        assert refused == [None] * len(refused), refused
+        assert route8(*args8) is not None and route4(*args4) is not None  # and taken again
+
+        # decode_max_m replaced: the route's guard fails, its Python fallback routes the call
+        # with the new rule (here: every M on the prefill path) and leaves the route unconfigured.
+        before = torch.tensor(kernels.prefill_counts())
+        monkeypatch.setattr(fast, "decode_max_m", lambda kernels, fmt, k: 0)
+        events = profiled(lambda: route8(*args8))
+        assert any(isinstance(e, types.CodeType) and e.co_name == "direct_fp8_linear" for e in events)
+        assert int((torch.tensor(kernels.prefill_counts()) - before).sum()) > 0
+        assert ops.linear._direct["fp8_linear"] is route8
+    finally:
+        _backend.set_cpu_isa_cap(previous)

@@ -140,28 +140,35 @@ def test_isa_cap_by_function_and_environment(monkeypatch):
         _backend.set_cpu_isa_cap("sse4")
 
 
+def kernel_calls(fn):
+    """``fn()`` and the names of the selected kernel library's ops it ran (profiler events)."""
+    ns = _backend._isa_table().op_namespace(_backend.cpu_selection().isa) + "::"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return out, sorted(e.name[len(ns):] for e in prof.events() if e.name.startswith(ns))
+
+
 @pytest.mark.skipif(not HAS_COMPILER, reason="needs the compiled kernels")
-def test_ops_dispatch_to_the_fast_kernels_and_set_kernel_enabled_switches_them_off(monkeypatch):
+def test_ops_dispatch_to_the_fast_kernels_and_set_kernel_enabled_switches_them_off():
+    # Every route to a kernel (the eager direct path's C route included) must obey
+    # set_kernel_enabled: switched off, the ops run their reference bodies.
     torch.manual_seed(0)
     d, s = formats.quantize_fp8(torch.randn(40, 64))
     p, s4 = formats.quantize_fp4(torch.randn(40, 64))
     x = torch.randn(3, 64)
-    selection, calls = _backend.cpu_selection(), []
-    monkeypatch.setattr(_backend, "cpu_selection", lambda: calls.append(1) or selection)
 
     def run():
         return ops.fp8_linear(x, d, s), ops.fp4_linear(x, p, s4), ops.qdq_fp8(x)
 
-    run()
-    assert len(calls) == 3
+    run()  # configures the direct path's C route
+    assert kernel_calls(run)[1] == ["fp4_linear_op", "fp8_linear_op", "qdq_fp8"]
     with ops.fast_kernels_disabled("cpu"):
-        y8, y4, q = run()
-    assert len(calls) == 3  # dispatch went to the reference bodies
+        (y8, y4, q), names = kernel_calls(run)
+    assert names == []  # dispatch went to the reference bodies
     assert torch.equal(y8, reference.fp8_linear(x, d, s, None, [32, 32], True, 224.0, torch.bfloat16))
     assert torch.equal(y4, reference.fp4_linear(x, p, s4, None, True, 224.0, torch.bfloat16))
     assert torch.equal(bits(q), bits(formats.qdq_fp8(x)))
-    run()
-    assert len(calls) == 6  # and back on after the block
+    assert kernel_calls(run)[1] == ["fp4_linear_op", "fp8_linear_op", "qdq_fp8"]  # and back on after the block
 
 
 # --------------------------------------------------------------------------- #

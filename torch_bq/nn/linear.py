@@ -65,6 +65,10 @@ __all__ = [
 ]
 
 _OP_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Bound once: the eager path of an M = 1 call pays for every attribute lookup from a cold cache.
+_is_compiling = torch.compiler.is_compiling
+_fp8_linear_direct = ops.fp8_linear_direct
+_fp4_linear_direct = ops.fp4_linear_direct
 
 # Same-itemsize integer views used to hide stored dtypes from module-wide casts.
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -337,9 +341,9 @@ class FP8Linear(_RecordsBlock, _QuantizedLinear):
         # every Python call and tensor attribute read costs microseconds from a cold cache.
         out_dtype = dtype if dtype in _OP_OUT_DTYPES else torch.float32
         y = None
-        if not torch.compiler.is_compiling():
+        if not _is_compiling():
             weight, scale, bias = _quantized_tensors(self)
-            y = ops.fp8_linear_direct(x, weight, scale, bias, self.block, self.act_quant, self.act_peak, out_dtype)
+            y = _fp8_linear_direct(x, weight, scale, bias, self.block, self.act_quant, self.act_peak, out_dtype)
         if y is None:
             y = ops.fp8_linear(
                 x,
@@ -532,9 +536,9 @@ class FP4Linear(_QuantizedLinear):
         dtype = x.dtype
         out_dtype = dtype if dtype in _OP_OUT_DTYPES else torch.float32
         y = None
-        if not torch.compiler.is_compiling():
+        if not _is_compiling():
             weight, scale, bias = _quantized_tensors(self)
-            y = ops.fp4_linear_direct(x, weight, scale, bias, self.act_quant, self.act_peak, out_dtype)
+            y = _fp4_linear_direct(x, weight, scale, bias, self.act_quant, self.act_peak, out_dtype)
         if y is None:
             y = ops.fp4_linear(
                 x,

@@ -3079,7 +3079,11 @@ TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/TracerMode.h>
 #include <ATen/record_function.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
+
+#include <array>
 
 namespace torch_bq_cpu {
 
@@ -3125,6 +3129,161 @@ auto unless_watched(at::Tensor (*entry)(Args...)) {
   };
 }
 
+// ---- the eager direct path as one C call ----
+//
+// What the public ops and modules ask of an eager CPU call before it may skip the op
+// (torch_bq/ops/cpu/linear.py, _direct_route: exact tensor types, a bool act_quant, a
+// dtype, a peak in range, the kernel not switched off, the decode limit for K), done
+// here from values that file configures, so that the call reaches the kernel through
+// one Python frame (the public op's) instead of nine: from a cold cache each Python
+// call and attribute lookup costs microseconds. The Python side stays the source of
+// every rule: configure_direct() receives the plain tensor types, the peak's bounds,
+// the op's record of switched-off device types, the decode limits and the panel size,
+// and a list of guards, (namespace dict, key, value) triples the configuration was
+// derived from (the kernel selection, decode_max_m, PANEL_BYTES): while any of them
+// no longer holds (a cap change, a test's monkeypatch), the route calls the Python
+// fallback instead, which routes the call the long way and configures the route again.
+struct DirectRoute {
+  pybind11::object tensor_type, parameter_type;  // the exact types taken as they are
+  pybind11::object disabled, device;             // the op's set of switched-off device types; "cpu"
+  double min_peak = 0, max_peak = 0;
+  int64_t limit = 0, long_k = -1, long_k_limit = 0, panel_bytes = 0;  // decode_max_m's rule
+  std::vector<std::array<pybind11::object, 3>> guards;
+  pybind11::object fallback;  // the Python direct path: same arguments, Tensor or None
+};
+
+// [fp8, fp4]; replaced whole by configure_direct (with the GIL held) and never freed:
+// the interpreter may be gone when static destructors run.
+DirectRoute* direct_routes[2] = {nullptr, nullptr};
+
+void configure_direct(const std::string& fmt, pybind11::object tensor_type, pybind11::object parameter_type,
+                      pybind11::object disabled, double min_peak, double max_peak, int64_t limit, int64_t long_k,
+                      int64_t long_k_limit, int64_t panel_bytes, std::vector<std::array<pybind11::object, 3>> guards,
+                      pybind11::object fallback) {
+  TORCH_CHECK(fmt == "fp8" || fmt == "fp4", "configure_direct: fmt must be 'fp8' or 'fp4', got ", fmt);
+  TORCH_CHECK(PyAnySet_Check(disabled.ptr()), "configure_direct: disabled must be a set");
+  for (const auto& g : guards) TORCH_CHECK(PyDict_Check(g[0].ptr()), "configure_direct: a guard's namespace must be a dict");
+  auto* r = new DirectRoute{std::move(tensor_type), std::move(parameter_type), std::move(disabled),
+                            pybind11::str("cpu"), min_peak, max_peak, limit, long_k, long_k_limit, panel_bytes,
+                            std::move(guards), std::move(fallback)};
+  DirectRoute*& slot = direct_routes[fmt == "fp8" ? 0 : 1];
+  delete slot;
+  slot = r;
+}
+
+bool guards_hold(const DirectRoute& r) {
+  for (const auto& g : r.guards)
+    if (PyDict_GetItemWithError(g[0].ptr(), g[1].ptr()) != g[2].ptr()) {  // borrowed; identity
+      PyErr_Clear();
+      return false;
+    }
+  return true;
+}
+
+bool plain_tensor(const DirectRoute& r, PyObject* o) {
+  return Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(r.tensor_type.ptr()) ||
+         Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(r.parameter_type.ptr());
+}
+
+// The common part of the two routes: the arguments they share, checked and unpacked, or
+// false (the op must be called). x, weight, scale, bias, act_quant, act_peak, out_dtype.
+struct RouteArgs {
+  at::Tensor x, weight, scale;
+  std::optional<at::Tensor> bias;
+  bool act_quant;
+  double act_peak;
+  at::ScalarType out_dtype;
+  int64_t limit;
+};
+
+bool route_args(const DirectRoute& r, PyObject* x, PyObject* weight, PyObject* scale, PyObject* bias,
+                PyObject* act_quant, PyObject* act_peak, PyObject* out_dtype, RouteArgs& out) {
+  if (!(plain_tensor(r, x) && plain_tensor(r, weight) && plain_tensor(r, scale) &&
+        (bias == Py_None || plain_tensor(r, bias)) && PyBool_Check(act_quant) && PyFloat_CheckExact(act_peak) &&
+        THPDtype_Check(out_dtype)))
+    return false;
+  out.act_peak = PyFloat_AS_DOUBLE(act_peak);
+  if (!(r.min_peak <= out.act_peak && out.act_peak <= r.max_peak)) return false;
+  const int in = PySet_Contains(r.disabled.ptr(), r.device.ptr());
+  if (in != 0) {  // switched off (1) or the lookup failed (-1): the op decides
+    if (in < 0) PyErr_Clear();
+    return false;
+  }
+  out.x = THPVariable_Unpack(x);
+  if (out.x.dim() == 0) return false;  // the op's checks name it
+  out.weight = THPVariable_Unpack(weight);
+  out.scale = THPVariable_Unpack(scale);
+  if (bias != Py_None) out.bias = THPVariable_Unpack(bias);
+  out.act_quant = act_quant == Py_True;
+  out.out_dtype = reinterpret_cast<THPDtype*>(out_dtype)->scalar_type;
+  out.limit = r.long_k >= 0 && out.x.size(-1) > r.long_k ? r.long_k_limit : r.limit;
+  return true;
+}
+
+pybind11::object route_result(at::Tensor y) {
+  if (!y.defined()) return pybind11::none();
+  return pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(std::move(y)));
+}
+
+pybind11::object fp8_linear_route(pybind11::handle x, pybind11::handle weight, pybind11::handle scale,
+                                  pybind11::handle bias, pybind11::handle block, pybind11::handle act_quant,
+                                  pybind11::handle act_peak, pybind11::handle out_dtype) {
+  const DirectRoute* r = direct_routes[0];
+  if (r == nullptr) return pybind11::none();
+  if (!guards_hold(*r)) {
+    const pybind11::object fallback = r->fallback;  // the call may configure the route again (delete r)
+    return fallback(x, weight, scale, bias, block, act_quant, act_peak, out_dtype);
+  }
+  RouteArgs a;
+  if (!route_args(*r, x.ptr(), weight.ptr(), scale.ptr(), bias.ptr(), act_quant.ptr(), act_peak.ptr(),
+                  out_dtype.ptr(), a))
+    return pybind11::none();
+  PyObject* b = block.ptr();  // (bn, bk) of exact ints, as formats.check_block gives it
+  if (!((PyTuple_CheckExact(b) && PyTuple_GET_SIZE(b) == 2) || (PyList_CheckExact(b) && PyList_GET_SIZE(b) == 2)))
+    return pybind11::none();
+  PyObject* b0 = PySequence_Fast_GET_ITEM(b, 0);
+  PyObject* b1 = PySequence_Fast_GET_ITEM(b, 1);
+  if (!(PyLong_CheckExact(b0) && PyLong_CheckExact(b1))) return pybind11::none();
+  const std::vector<int64_t> bv{PyLong_AsLongLong(b0), PyLong_AsLongLong(b1)};
+  if (PyErr_Occurred()) {  // out of int64's range: the op's checks name it
+    PyErr_Clear();
+    return pybind11::none();
+  }
+  if (watched()) return pybind11::none();
+  const int64_t panel_bytes = r->panel_bytes;  // r may be replaced while the GIL is released
+  at::Tensor y;
+  {
+    pybind11::gil_scoped_release no_gil;
+    y = fp8_linear_entry(a.x, a.weight, a.scale, a.bias, bv, a.act_quant, a.act_peak, a.out_dtype, a.limit,
+                         panel_bytes);
+  }
+  return route_result(std::move(y));
+}
+
+pybind11::object fp4_linear_route(pybind11::handle x, pybind11::handle weight, pybind11::handle scale,
+                                  pybind11::handle bias, pybind11::handle act_quant, pybind11::handle act_peak,
+                                  pybind11::handle out_dtype) {
+  const DirectRoute* r = direct_routes[1];
+  if (r == nullptr) return pybind11::none();
+  if (!guards_hold(*r)) {
+    const pybind11::object fallback = r->fallback;
+    return fallback(x, weight, scale, bias, act_quant, act_peak, out_dtype);
+  }
+  RouteArgs a;
+  if (!route_args(*r, x.ptr(), weight.ptr(), scale.ptr(), bias.ptr(), act_quant.ptr(), act_peak.ptr(),
+                  out_dtype.ptr(), a) ||
+      watched())
+    return pybind11::none();
+  const int64_t panel_bytes = r->panel_bytes;
+  at::Tensor y;
+  {
+    pybind11::gil_scoped_release no_gil;
+    y = fp4_linear_entry(a.x, a.weight, a.scale, a.bias, a.act_quant, a.act_peak, a.out_dtype, a.limit,
+                         panel_bytes);
+  }
+  return route_result(std::move(y));
+}
+
 }  // namespace torch_bq_cpu
 
 // The module is named as the build names the library (TORCH_EXTENSION_NAME); the loader
@@ -3142,6 +3301,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp4_linear", &torch_bq_cpu::fp4_linear, release());
   m.def("fp8_linear_direct", torch_bq_cpu::unless_watched(&torch_bq_cpu::fp8_linear_entry));
   m.def("fp4_linear_direct", torch_bq_cpu::unless_watched(&torch_bq_cpu::fp4_linear_entry));
+  m.def("configure_direct", &torch_bq_cpu::configure_direct);
+  m.def("fp8_linear_route", &torch_bq_cpu::fp8_linear_route);
+  m.def("fp4_linear_route", &torch_bq_cpu::fp4_linear_route);
 }
 #endif
 #endif

@@ -40,7 +40,7 @@ from .. import _backend
 from .. import linear as op_defs
 
 __all__ = [
-    "DECODE_MAX_M", "NVFP4_DECODE_MAX_M", "PANEL_BYTES", "decode_max_m", "direct_fp8_linear", "direct_fp4_linear",
+    "DECODE_MAX_M", "NVFP4_DECODE_MAX_M", "PANEL_BYTES", "decode_limits", "decode_max_m", "direct_fp8_linear", "direct_fp4_linear",
     "entry_ops",
     "fp8_linear", "fp4_linear", "nvfp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8",
 ]
@@ -82,20 +82,28 @@ PANEL_BYTES = 4 << 20
 _decode_isa: dict = {}
 
 
-def decode_max_m(kernels, fmt: str, k: int) -> int:
-    """Largest ``M`` that ``kernels`` run on the decode path for format ``fmt`` (``"fp8"``/``"fp4"``/``"nvfp4"``)
-    and ``K = k``."""
-    if fmt == "nvfp4":
-        return NVFP4_DECODE_MAX_M[kernels.nvfp4_decode_isa()]
+def decode_limits(kernels, fmt: str) -> tuple:
+    """``(limit, long_k, long_k_limit)`` for format ``fmt`` (``"fp8"``/``"fp4"``) on ``kernels``: they decode
+    up to ``limit`` rows, or up to ``long_k_limit`` where ``K > long_k`` (``long_k = -1``: no such rule)."""
     isa = _decode_isa.get(id(kernels))
     if isa is None:
         isa = kernels.decode_isa() if hasattr(kernels, "decode_isa") else "avx2" if kernels.vectorized() else "generic"
         _decode_isa[id(kernels)] = isa
     limits = DECODE_MAX_M.get(isa, DECODE_MAX_M["generic"])
     long_k = limits["long_k"]
-    if long_k is not None and k > long_k[0]:
-        return long_k[1]
-    return limits[fmt]
+    return (limits[fmt], -1, 0) if long_k is None else (limits[fmt], *long_k)
+
+
+def decode_max_m(kernels, fmt: str, k: int) -> int:
+    """Largest ``M`` that ``kernels`` run on the decode path for format ``fmt`` (``"fp8"``/``"fp4"``/``"nvfp4"``)
+    and ``K = k``."""
+    if fmt == "nvfp4":
+        return NVFP4_DECODE_MAX_M[kernels.nvfp4_decode_isa()]
+    limit, long_k, long_k_limit = decode_limits(kernels, fmt)
+    return long_k_limit if 0 <= long_k < k else limit
+
+
+_decode_max_m = decode_max_m  # the rule the C routes copy (a test that replaces decode_max_m makes them stale)
 
 
 # --------------------------------------------------------------------------- #
@@ -185,6 +193,30 @@ def _direct_route(op, fmt: str, x, weight, scale, bias, act_quant, act_peak, out
     return module, decode_max_m(selection.ops, fmt, x.shape[-1])
 
 
+def _configure_c_route(op, fmt: str, fallback) -> None:
+    """Let the selected kernel library's ``fp8_linear_route`` / ``fp4_linear_route`` take the eager direct
+    calls of ``op`` (registered with :func:`torch_bq.ops.linear.register_direct`), where it has one.
+
+    The C route applies :func:`_direct_route`'s rules from the values given here and stays
+    valid while its guards hold: the kernel selection, :func:`decode_max_m` and
+    ``PANEL_BYTES`` are what they were (each an identity check of a module attribute).
+    When one changes it calls ``fallback`` (this module's direct function), which
+    routes the call in Python and configures the route again from the new values. Not
+    configured while :func:`decode_max_m` is replaced (the route could not follow it).
+    """
+    selection = _backend._selection
+    module = None if selection is None else selection.entry_module
+    disabled = getattr(op, "_disabled_kernel", None)
+    if (module is None or not hasattr(module, "configure_direct") or not isinstance(disabled, set)
+            or decode_max_m is not _decode_max_m):
+        return
+    guards = [(vars(_backend), "_selection", selection), (globals(), "decode_max_m", decode_max_m),
+              (globals(), "PANEL_BYTES", PANEL_BYTES)]
+    module.configure_direct(fmt, torch.Tensor, torch.nn.Parameter, disabled, formats.MIN_ACT_PEAK,
+                            formats.FP8_MAX, *decode_limits(selection.ops, fmt), PANEL_BYTES, guards, fallback)
+    op_defs.register_direct(f"{fmt}_linear", getattr(module, f"{fmt}_linear_route"))
+
+
 def direct_fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dtype) -> Optional[torch.Tensor]:
     """:func:`fp8_linear` called without the ``torch_bq::`` dispatcher, or ``None`` when it must not be.
 
@@ -196,10 +228,15 @@ def direct_fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dt
     ``fp8_linear_direct`` refuses while a TorchFunctionMode, a TorchScript trace or a
     functorch transform is on; the entry point itself refuses dispatch modes and anything
     autograd must record. ``None``: call the op.
+
+    The first such call also hands the route to the library's C function
+    (:func:`_configure_c_route`), so that later calls reach the kernel without this
+    function; it is their fallback when the kernel selection or the tuning changes.
     """
     route = _direct_route(op_defs._fp8_linear, "fp8", x, weight, scale, bias, act_quant, act_peak, out_dtype)
     if route is None:
         return None
+    _configure_c_route(op_defs._fp8_linear, "fp8", direct_fp8_linear)
     return route[0].fp8_linear_direct(x, weight, scale, bias, block, act_quant, act_peak, out_dtype, route[1],
                                       PANEL_BYTES)
 
@@ -209,6 +246,7 @@ def direct_fp4_linear(x, weight, scale, bias, act_quant, act_peak, out_dtype) ->
     route = _direct_route(op_defs._fp4_linear, "fp4", x, weight, scale, bias, act_quant, act_peak, out_dtype)
     if route is None:
         return None
+    _configure_c_route(op_defs._fp4_linear, "fp4", direct_fp4_linear)
     return route[0].fp4_linear_direct(x, weight, scale, bias, act_quant, act_peak, out_dtype, route[1], PANEL_BYTES)
 
 
