@@ -11,7 +11,8 @@ output rounding in C++), which refuse anything unusual or invalid; then this
 module checks the arguments (the named errors), prepares the operands for the
 kernels itself, or falls back to the reference when the compiled kernels are
 unavailable. ``direct_fp8_linear`` / ``direct_fp4_linear`` call the entry points
-from eager code without the dispatcher (see there). The kernels of the
+from eager code without the dispatcher (see there) and hand that route to the
+kernel library's C functions after their first call (``_configure_c_route``). The kernels of the
 ISA level :mod:`torch_bq.ops._backend` selected run; ``_backend.fast_kernels_disabled()``
 switches these registrations off (torch.library's ``set_kernel_enabled``).
 
