@@ -582,6 +582,42 @@ def test_prefill_tile_edges(level, m, extra, k, block, scale_dtype, monkeypatch)
 # every row count to 64 on each path, and the decode / panel boundary
 # --------------------------------------------------------------------------- #
 
+# The AVX2 / AVX-512 single-row fp8 loop multiplies A by 2**e (the smallest e that keeps
+# every product with a decoded weight normal) and factors each block's scale out of its sum,
+# falling back to the per-element loop where no e fits A or a stretch of blocks holds a code
+# the factored scale cannot represent. Exponent ranges of x, and scale codes, per case.
+FACTORED_CASES = {
+    "wide A, every code fits": ((-100, 20), (100, 141), {}),
+    "tiny A, codes too small late in the row": ((-118, -110), (100, 141), {(1, 150): 0, (6, 190): 1}),
+    "NaN code late in the row": ((-10, 10), (110, 141), {(2, 150): 255}),
+    "large code late in the row": ((0, 10), (110, 130), {(5, 170): 160}),
+    "A too wide for one factor": ((-120, 10), (100, 141), {}),
+    "A too small for a float factor": ((-126, -124), (150, 170), {}),
+}
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("case", list(FACTORED_CASES))
+def test_fp8_single_row_scale_factoring_edges(level, case):
+    exponents, codes, special = FACTORED_CASES[case]
+    n, k = 8, 32 * 200  # 200 blocks: more than one stretch of the factored loop (128 blocks)
+    g = torch.Generator().manual_seed(len(case))
+    mantissa = torch.rand(1, k, generator=g) + 1
+    sign = torch.randint(0, 2, (1, k), generator=g) * 2 - 1
+    e = torch.randint(exponents[0], exponents[1] + 1, (1, k), generator=g)
+    x = (sign * mantissa * torch.exp2(e.float())).to(torch.bfloat16)
+    weight = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+    weight[(weight & 0x7F) == 0x7F] = 0x3C  # no NaN weights: the NaN here comes from the scale
+    scale = torch.randint(codes[0], codes[1], (n, k // 32), generator=g, dtype=torch.uint8)
+    for (row, block), code in special.items():
+        scale[row, block] = code
+    y = FP8[level](x, weight, scale, None, [1, 32], False, 224.0, torch.float32)
+    w = formats.dequantize_fp8(weight, scale, (1, 32), torch.float32)
+    finite = torch.isfinite(w).all(dim=1)
+    assert torch.isnan(y[0, ~finite]).all()
+    assert_linear_close(y[:, finite], x, w[finite], msg=case)
+
+
 ROW_COUNTS = list(range(1, 34)) + [40, 47, 48, 63, 64]
 
 

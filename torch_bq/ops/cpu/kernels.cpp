@@ -358,6 +358,91 @@ int64_t fp8_blocks32(const uint8_t* const* rows, const uint8_t* const* scale_row
   return b;
 }
 
+// M = 1 with each block's scale factored out of its partial sum: per 32
+// elements and weight row 2 multiplies and 4 multiply-adds instead of 4
+// multiplies and 4 multiply-adds (the single row is decode-bound). The
+// activation was multiplied by 2**a_exp when it was permuted
+// (scale_for_factoring), so that every product of it and a decoded
+// e4m3 * 2**-120 is a normal float, hence exact; each block's partial sum is
+// then multiplied by 2**(code - 127 + 120 - a_exp), exact while that is a
+// normal float (a stretch of blocks with a code outside that range, or code
+// 255, ends the loop, and the caller's general loop takes over from there).
+// Two chains per output, as in fp8_blocks32. Needs MXCSR.DAZ clear.
+template <int NT>
+int64_t fp8_blocks32_factored(const uint8_t* const* rows, const uint8_t* const* scale_rows, const float* a_perm,
+                              int64_t K, __m256 (&acc)[1][NT], const uint8_t* ahead, int a_exp) {
+  __m256 acc_odd[NT];
+  for (int j = 0; j < NT; ++j) acc_odd[j] = _mm256_setzero_ps();
+  // code + 120 - a_exp must be a normal exponent field, 1..254; 255 is the NaN code.
+  const uint32_t lowest = a_exp > 119 ? uint32_t(a_exp - 119) : 0u;
+  const uint32_t highest = std::min<uint32_t>(254, uint32_t(134 + a_exp));
+  const uint32_t bias = uint32_t(120 - a_exp);  // modulo 2**32: code + bias is the field
+  // The scales of a stretch of blocks are formed (and checked) before its
+  // blocks are multiplied, in a loop the compiler vectorizes: per block and
+  // row the multiply loop then only broadcasts one (scalar work per block was
+  // about a third of the instructions).
+  constexpr int64_t kStretch = 128;
+  alignas(32) float scales[NT][kStretch];
+  const int64_t blocks = K / 32;
+  int64_t b0 = 0;
+  for (; b0 < blocks; b0 += kStretch) {
+    const int64_t n = std::min(kStretch, blocks - b0);
+    uint32_t bad = 0;
+    for (int j = 0; j < NT; ++j) {
+      const uint8_t* codes = scale_rows[j] + b0;
+      for (int64_t i = 0; i < n; ++i) {
+        const uint32_t code = codes[i];
+        bad |= uint32_t(code < lowest) | uint32_t(code > highest);
+        scales[j][i] = f32_from_bits((code + bias) << 23);
+      }
+    }
+    if (bad != 0) break;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t b = b0 + i;
+      for (int c = 0; c < (NT + 1) / 2; ++c)  // the next rows' share for this block (see dot_tile)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + (b * ((NT + 1) / 2) + c) * 64), _MM_HINT_T0);
+      const float* a = a_perm + b * 32;
+      for (int j = 0; j < NT; ++j) {
+        const __m256 s = _mm256_broadcast_ss(&scales[j][i]);
+        __m256 v[4];
+        Fp8Format::decode32_bf16(rows[j] + b * 32, v);
+        __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(a), v[0]);
+        __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(a + 8), v[1]);
+        p0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 16), v[2], p0);
+        p1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 24), v[3], p1);
+        acc[0][j] = _mm256_fmadd_ps(p0, s, acc[0][j]);
+        acc_odd[j] = _mm256_fmadd_ps(p1, s, acc_odd[j]);
+      }
+    }
+  }
+  for (int j = 0; j < NT; ++j) acc[0][j] = _mm256_add_ps(acc[0][j], acc_odd[j]);
+  return std::min(b0, blocks);  // a stretch with a code out of range: the caller's loop from there
+}
+
+// For fp8_blocks32_factored: multiplies a[0, n) (bf16-exact floats) by 2**e in
+// place and returns e, the smallest e >= 0 that makes every nonzero |a| at
+// least 2**3 (then its products with decoded weights, at least 2**-129, are
+// normal); -1, a unchanged, where a holds a subnormal, an inf or NaN, values
+// below 2**-124 (e would exceed 127), or magnitudes too far apart for one e to
+// keep the largest finite.
+int scale_for_factoring(float* a, int64_t n) {
+  uint32_t lowest = 255, highest = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = bits_from_f32(a[i]) & 0x7FFFFFFFu;
+    if (bits == 0) continue;
+    const uint32_t field = bits >> 23;
+    lowest = std::min(lowest, field);
+    highest = std::max(highest, field);
+  }
+  if (highest == 0 && lowest == 255) return 0;  // all zero
+  if (lowest == 0 || highest == 255) return -1;
+  const int e = std::max(0, 130 - int(lowest));
+  if (e > 127 || int(highest) + e > 254) return -1;  // 2**e itself must be a float
+  const float factor = f32_from_bits(uint32_t(127 + e) << 23);
+  for (int64_t i = 0; i < n; ++i) a[i] *= factor;
+  return e;
+}
+
 // MXFP4, MT activation rows x NT weight rows: two whole blocks (64
 // elements) per iteration with the bf16-pattern decoder, against the
 // activation permuted to its output order (permute_activation_groups64).
@@ -414,8 +499,8 @@ struct WeightView {
 // 16-wide chunks; the scalar pass covers the rest (all of it when the
 // block's folded scale would overflow).
 template <class Fmt, class S, int MT, int NT>
-void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t m0, int64_t n0, float* out,
-              int64_t N) {
+void dot_tile(const WeightView& w, const float* A, const float* a_split, int a_exp, int64_t m0, int64_t n0,
+              float* out, int64_t N) {
   const int64_t K = w.K;
   const uint8_t* rows[NT];
   const S* srows[NT];
@@ -452,8 +537,12 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
         for (int i = 0; i < MT; ++i) a_perm[i] = a_split + (m0 + i) * K;
         if constexpr (std::is_same_v<Fmt, Fp4Format>) b = fp4_groups64<MT, NT>(rows, srows, a_perm, K, acc, ahead);
         if constexpr (std::is_same_v<Fmt, Fp8Format>) {
-          if (!denormals_are_zero())  // this thread's MXCSR (a worker's may differ from the caller's)
-            b = fp8_blocks32<MT, NT>(rows, srows, a_perm, K, acc, ahead);
+          if (!denormals_are_zero()) {  // this thread's MXCSR (a worker's may differ from the caller's)
+            if constexpr (MT == 1) {
+              if (a_exp >= 0) b = fp8_blocks32_factored<NT>(rows, srows, a_perm[0], K, acc, ahead, a_exp);
+            }
+            if (MT > 1 || a_exp < 0) b = fp8_blocks32<MT, NT>(rows, srows, a_perm, K, acc, ahead);
+          }
         }
       }
     }
@@ -537,8 +626,8 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
 // rows once more, so M = 8 q + r costs q + 1 decodes, never q + 2 or 3 (a
 // tile of 1 or 2 rows after the 8s and 4s was the M = 5 and M = 9 steps).
 template <class Fmt, class S, int NT>
-void rows_tile(const WeightView& w, const float* A, const float* a_split, int64_t M, int64_t n, float* out,
-               int64_t N) {
+void rows_tile(const WeightView& w, const float* A, const float* a_split, int a_exp, int64_t M, int64_t n,
+               float* out, int64_t N) {
   constexpr int kMaxMT = NT == 4 ? 3 : 8;
   const int64_t tiles = (M + kMaxMT - 1) / kMaxMT;
   int64_t m0 = 0;
@@ -548,7 +637,7 @@ void rows_tile(const WeightView& w, const float* A, const float* a_split, int64_
 #define TORCH_BQ_ROWS(R)                                       \
   case R:                                                      \
     if constexpr (R <= kMaxMT) {                               \
-      dot_tile<Fmt, S, R, NT>(w, A, a_split, m0, n, out, N);   \
+      dot_tile<Fmt, S, R, NT>(w, A, a_split, a_exp, m0, n, out, N); \
     }                                                          \
     break;
       TORCH_BQ_ROWS(1) TORCH_BQ_ROWS(2) TORCH_BQ_ROWS(3) TORCH_BQ_ROWS(4)
@@ -561,13 +650,13 @@ void rows_tile(const WeightView& w, const float* A, const float* a_split, int64_
 }
 
 template <class Fmt, class S>
-void decode_rows(const WeightView& w, const float* A, const float* a_split, int64_t M, int64_t n_begin,
-                 int64_t n_end, float* out, int64_t N) {
+void decode_rows(const WeightView& w, const float* A, const float* a_split, int a_exp, int64_t M,
+                 int64_t n_begin, int64_t n_end, float* out, int64_t N) {
   int64_t n = n_begin;
   if (M <= 3) {  // decode-bound: share each A load across four weight rows
-    for (; n + 4 <= n_end; n += 4) rows_tile<Fmt, S, 4>(w, A, a_split, M, n, out, N);
+    for (; n + 4 <= n_end; n += 4) rows_tile<Fmt, S, 4>(w, A, a_split, a_exp, M, n, out, N);
   }
-  for (; n < n_end; ++n) rows_tile<Fmt, S, 1>(w, A, a_split, M, n, out, N);
+  for (; n < n_end; ++n) rows_tile<Fmt, S, 1>(w, A, a_split, a_exp, M, n, out, N);
 }
 
 #if defined(TORCH_BQ_AVX2)
@@ -1412,18 +1501,22 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 #endif
   constexpr int64_t kRowsPerTask = 16;  // multiple of the tile height NT
   std::vector<float> split;
+  int a_exp = -1;  // >= 0: split was multiplied by 2**a_exp for fp8_blocks32_factored (M = 1)
 #if defined(TORCH_BQ_AVX2)
   if constexpr (std::is_same_v<S, uint8_t>) {
     if constexpr (std::is_same_v<Fmt, Fp4Format>) split = permute_activation_groups64(A, M, w.K);
     // The fp8 decoder's subnormals are inputs of its multiplies: with DAZ set it cannot run.
     if constexpr (std::is_same_v<Fmt, Fp8Format>) {
-      if (w.bk == 32 && !denormals_are_zero()) split = permute_activation_blocks32(A, M, w.K);
+      if (w.bk == 32 && !denormals_are_zero()) {
+        split = permute_activation_blocks32(A, M, w.K);
+        if (M == 1) a_exp = scale_for_factoring(split.data(), w.K / 32 * 32);  // the permuted blocks only
+      }
     }
   }
 #endif
   const float* a_split = split.empty() ? nullptr : split.data();
   run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
-    decode_rows<Fmt, S>(w, A, a_split, M, t * kRowsPerTask, std::min(N, (t + 1) * kRowsPerTask), out, N);
+    decode_rows<Fmt, S>(w, A, a_split, a_exp, M, t * kRowsPerTask, std::min(N, (t + 1) * kRowsPerTask), out, N);
   });
 }
 
