@@ -851,7 +851,7 @@ std::atomic<int64_t> dot_decode_calls[2];
 //     for group g: w[] = decode(W[n, g]); for m: t = sum over r of dot(w[r], A[r])
 //                  acc[m][n] += t * s16[lanes of g]
 // Tiles: below Fold<D>::kMinRows rows (7 for both formats), NT = 4 weight rows x
-// MT = 1-5 (fp4: Fp4Span for 1 and 2 rows, Fp4Dot from 3) or 1-3 (fp8) rows
+// MT = 1-5 (fp4: Fp4Span for 1 and 2 rows, Fp4Dot from 3) or 1-4 (fp8) rows
 // with the per-lane scales above (taller M: several row tiles over the same 4
 // weight rows, the later ones reading them from L1); from there the folded
 // K-block tiles (section "From Fold<D>::kMinRows rows" below), for every e8m0
@@ -889,7 +889,15 @@ struct Fp8Dot {
     lo1 = _mm512_load_si512(lo + 64);
   }
   void decode(const uint8_t* row, int64_t g, __m512i (&w)[kRegs]) const {
-    bytes(_mm512_loadu_si512(row + g * 64), w[0], w[1]);
+    // One load of the 64 bytes, held in a register: left to itself, GCC loads
+    // them again for each of the two lookups and the sign (three loads of the
+    // same line per group and weight row). In the 4-row tile, next to its
+    // eight A loads, that cost 10-20% of the time (kernel calls, cold cache,
+    // 1 thread, Zen 5); with one load M = 4 as one tile costs no more per row
+    // than M = 3.
+    __m512i b = _mm512_loadu_si512(row + g * 64);
+    asm("" : "+v"(b));
+    bytes(b, w[0], w[1]);
   }
   void decode_masked(const uint8_t* row, int64_t g, __mmask64 valid, __m512i (&w)[kRegs]) const {
     bytes(_mm512_maskz_loadu_epi8(valid, row + g * 64), w[0], w[1]);
@@ -1141,14 +1149,17 @@ void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
 // accumulators, 4 scale registers, the decoded pair and the lane permute fit
 // the 32 zmm (M = 5 in one tile took 0.87-0.94x the time of two tiles of 3 and
 // 2 rows, which decode the weight twice; 1 thread, Zen 5). Fp4Span: 2 (linear()
-// gives it only M = 1 and 2; see there). fp8: 3. Its 4- and
-// 5-row tiles (four more registers for the byte tables) cost more per row than
-// two shorter tiles, the second of which reads the 4 weight rows from L1: M = 4
-// as 2 + 2 took 0.81-0.93x the time of one 4-row tile, M = 5 as 2 + 3
-// 0.66-0.78x (kernel calls interleaved in one process, cold cache, 3 x 21 rounds,
-// five shapes, 2026-12-02).
+// gives it only M = 1 and 2; see there). fp8: 4 (4 x 4 accumulators, the byte
+// tables and the decoded pair; the scales are memory operands). With the
+// weight bytes loaded once per group (Fp8Dot::decode), M = 4 as one 4-row tile
+// took 0.75-0.87x the time of 2 + 2 and about the same time per row as M = 3;
+// without that, 2 + 2 (the second tile reading the 4 weight rows from L1)
+// had been as fast or faster. Its 5-row tiles, over 4, 3 or 2 weight rows, were no
+// faster than 2 + 3 on the K = 4096 and 14336 shapes (kernel calls interleaved
+// in one process, cold cache, 11-21 rounds, five shapes, 2026-12-02; section
+// "The fp8 M = 3 -> 4 step (cliff4 branch ...)" of docs/benchmarks.md).
 template <class D>
-constexpr int kDirectMaxMT = std::is_same_v<D, Fp8Dot> ? 3 : std::is_same_v<D, Fp4Span> ? 2 : 5;
+constexpr int kDirectMaxMT = std::is_same_v<D, Fp8Dot> ? 4 : std::is_same_v<D, Fp4Span> ? 2 : 5;
 
 template <class D, int NT>
 void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
