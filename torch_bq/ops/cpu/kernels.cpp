@@ -1592,10 +1592,16 @@ struct ActivationSource {
     const __mmask32 valid = left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
     const uint16_t* row = x + m * K + k;
     if (!qdq) return _mm512_maskz_loadu_epi16(valid, row);
-    if (left >= 32)
+    if (left >= 32) {
+      // qdq_block32 stores its results as four 16-byte vectors: read back the same way, each
+      // load is forwarded from its store (one 64-byte load over four stores waits for them).
       qdq_block32<false>(row, recip_peak, scratch, 0);
-    else
-      qdq_block_scalar<false>(row, left, recip_peak, scratch, 0);
+      const __m128i* q = reinterpret_cast<const __m128i*>(scratch);
+      const __m512i v = _mm512_castsi128_si512(_mm_load_si128(q));
+      return _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(v, _mm_load_si128(q + 1), 1), _mm_load_si128(q + 2), 2),
+                                _mm_load_si128(q + 3), 3);
+    }
+    qdq_block_scalar<false>(row, left, recip_peak, scratch, 0);
     return _mm512_maskz_loadu_epi16(valid, scratch);
   }
 #endif
