@@ -1708,6 +1708,23 @@ inline int64_t packed_block_width(int64_t M, int64_t m0) {
   return std::min(kDotBlock, (M - m0 + 15) / 16 * 16);
 }
 
+// Memory for a packed A of `count` int32 pairs, 64-byte aligned: kept per calling thread up
+// to kKeptPackBytes (the largest so far; one buffer for every pack_pairs instance), not
+// allocated per call: the allocator gave some sizes back to the OS on free, and each call
+// faulted the pages in again (4096 x 14336, M = 512: about 3000 page faults per call,
+// 14.7 MB). Aligned as at::empty's memory is: the register tiles load A in whole 64-byte
+// vectors, and from a std::vector's 16-byte-aligned data every one of them spans two cache
+// lines (4096 x 4096, M = 89-128: 1-7% slower than with the aligned buffer).
+inline at::Tensor packed_a_buffer(int64_t count) {
+  constexpr int64_t kKeptPackBytes = int64_t(64) << 20;
+  if (count * 4 > kKeptPackBytes) return at::empty({count}, at::TensorOptions().dtype(at::kInt));
+  thread_local std::vector<int32_t> kept;
+  if (static_cast<int64_t>(kept.size()) < count + 16) kept.resize(count + 16);
+  const uintptr_t base = reinterpret_cast<uintptr_t>(kept.data());
+  return at::from_blob(reinterpret_cast<int32_t*>((base + 63) & ~uintptr_t(63)), {count},
+                       at::TensorOptions().dtype(at::kInt));
+}
+
 // bf16 pairs of A^T, 16 rows x 32 elements at a time (load(m, k, scan, scratch): row m's
 // elements [k, k + 32) as 16 pairs, scanned into `scan`), transposed to 16 x 16 pairs. Rows
 // past M and elements past K are zero. `bits` gets A's bound, taken from the same loads.
@@ -1715,23 +1732,7 @@ template <class Scan, class Load>
 at::Tensor pack_pairs(int64_t M, int64_t kp2, LowBits& bits, const Load& load) {
   const int64_t blocks = (M + kDotBlock - 1) / kDotBlock;
   const int64_t total = (blocks - 1) * kDotBlock + packed_block_width(M, (blocks - 1) * kDotBlock);
-  // Kept per calling thread up to kKeptPackBytes (the largest so far), not allocated per call:
-  // the allocator gave some sizes back to the OS on free, and each call faulted the pages in
-  // again (4096 x 14336, M = 512: about 3000 page faults per call, 14.7 MB). Aligned to 64
-  // bytes as at::empty's memory is: the register tiles load A in whole 64-byte vectors, and
-  // from a std::vector's 16-byte-aligned data every one of them spans two cache lines
-  // (4096 x 4096, M = 89-128: 2-5% slower than with the aligned buffer).
-  constexpr int64_t kKeptPackBytes = int64_t(64) << 20;
-  thread_local std::vector<int32_t> kept;
-  at::Tensor packed;
-  if (total * kp2 * 4 <= kKeptPackBytes) {
-    if (static_cast<int64_t>(kept.size()) < total * kp2 + 16) kept.resize(total * kp2 + 16);
-    const uintptr_t base = reinterpret_cast<uintptr_t>(kept.data());
-    int32_t* aligned = reinterpret_cast<int32_t*>((base + 63) & ~uintptr_t(63));
-    packed = at::from_blob(aligned, {total * kp2}, at::TensorOptions().dtype(at::kInt));
-  } else {
-    packed = at::empty({total * kp2}, at::TensorOptions().dtype(at::kInt));
-  }
+  at::Tensor packed = packed_a_buffer(total * kp2);
   int32_t* dst = packed.data_ptr<int32_t>();
   constexpr int64_t kPairsPerTask = 512;  // a multiple of 16
   const int64_t spans = (kp2 + kPairsPerTask - 1) / kPairsPerTask;
