@@ -400,7 +400,7 @@ def test_bf16_prefill_leaves_tiles_that_could_meet_a_subnormal_to_fp32():
 @pytest.mark.skipif("avx512_bf16" not in LEVELS, reason="the CPU has no AVX-512 BF16")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("block", [(1, 32), (32, 32), (128, 128)])
-@pytest.mark.parametrize("groups", [3, 33])  # 33: tasks of 2 (2 threads) or 4 (1 thread) row groups
+@pytest.mark.parametrize("groups", [3, 33])  # 33: tasks of 2 row groups (2 threads) or one task (1 thread)
 def test_bf16_prefill_decodes_the_next_panel_inside_the_multiply(block, threads, groups):
     """On the bf16 tiles the panel of K chunk i + 1 is decoded by steps inside chunk i's register
     tiles where the lean decoders cover it (whole 32-element units, e8m0 codes, fp8 codes up to 134
@@ -495,7 +495,7 @@ def test_bf16_weights_multiplied_in_place_are_scanned_a_chunk_ahead(k, threads):
     the fp32 microkernel, and only those three."""
     level = "avx512_bf16"
     rows = _backend.cpu_kernels(level).prefill_task_rows()
-    groups = 33  # tasks of 4 row groups (1 thread) or 2 (2 threads)
+    groups = 33  # one task (1 thread) or tasks of 2 row groups (2 threads)
     n = (groups - 1) * rows + 5
     torch.manual_seed(k + threads)
     w = torch.randn(n, k)

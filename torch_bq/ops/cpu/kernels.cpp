@@ -1618,16 +1618,113 @@ struct ActivationScan {
 };
 #endif
 
+#if defined(TORCH_BQ_AVX512_BF16)
+// The bound of bf16 values, 32 at a time (A's, taken while pack_activation packs it from bf16):
+// as ActivationScan on the same values widened to fp32 (bf16 keeps fp32's exponent field).
+struct Bf16Scan {
+  __m512i low = _mm512_set1_epi16(255);
+  __mmask32 tiny = 0;
+  void add(__m512i v) {
+    const __m512i mag = _mm512_slli_epi16(v, 1);  // the sign shifted out
+    const __mmask32 nonzero = _mm512_test_epi16_mask(mag, mag);
+    const __m512i e = _mm512_srli_epi16(mag, 8);
+    tiny |= _mm512_mask_testn_epi16_mask(nonzero, e, e);
+    low = _mm512_mask_min_epu16(low, nonzero, low, e);
+  }
+  LowBits bits() const {
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(low));
+    const __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(low, 1));
+    return {static_cast<int>(_mm512_reduce_min_epu32(_mm512_min_epu32(lo, hi))) - 134, tiny != 0};
+  }
+};
+#endif
+
+// The activation qdq (section "activation qdq" below).
+template <bool kF32Out>
+void qdq_block_scalar(const uint16_t* x, int64_t len, float recip_peak, void* out, int64_t offset);
+#if defined(TORCH_BQ_AVX2)
+template <bool kF32Out>
+void qdq_block32(const uint16_t* x, float recip_peak, void* out, int64_t offset);
+#endif
+template <bool kF32Out>
+void qdq_rows(const uint16_t* x, int64_t M, int64_t K, float recip_peak, void* out);
+
+// A of docs/contract.md §4 as the one-call entry points hold it: bf16 x [M, K] (contiguous)
+// and whether A = qdq_fp8(x) (1 x 32 blocks along each row) or bf16(x) itself. The bf16
+// tiles pack A straight from it (pack_activation), the qdq done 32 elements at a time on
+// the way: before, the entry wrote A as fp32 (4 bytes per element, 29 MB at 512 x 14336)
+// and the pack read it back. fp32 A is staged only for the paths that read it.
+struct ActivationSource {
+  const uint16_t* x = nullptr;
+  int64_t M = 0, K = 0;
+  bool qdq = false;
+  float recip_peak = 1.0f;  // fp32(1 / peak), as qdq_fp8
+
+  // fp32 A [M, K] into a, on the pool's threads (never from inside a task).
+  void fp32(float* a) const {
+    if (qdq) {
+      qdq_rows<true>(x, M, K, recip_peak, a);
+    } else {
+      for (int64_t i = 0; i < M * K; ++i) a[i] = f32_from_bits(uint32_t(x[i]) << 16);
+    }
+  }
+  // The same on the calling thread alone (from inside a task: run_tasks does not nest).
+  void fp32_here(float* a) const {
+    if (!qdq) {
+      for (int64_t i = 0; i < M * K; ++i) a[i] = f32_from_bits(uint32_t(x[i]) << 16);
+      return;
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        const int64_t len = std::min<int64_t>(32, K - k0);
+#if defined(TORCH_BQ_AVX2)
+        if (len == 32) {
+          qdq_block32<true>(x + m * K + k0, recip_peak, a, m * K + k0);
+          continue;
+        }
+#endif
+        qdq_block_scalar<true>(x + m * K + k0, len, recip_peak, a, m * K + k0);
+      }
+    }
+  }
+#if defined(TORCH_BQ_AVX512_BF16)
+  // Elements [k, k + 32) of A's row m as bf16 bits, those past K zero (k a multiple of 32:
+  // a qdq block); scratch holds 32 uint16_t. The qdq's bf16 output is the same bits as the
+  // top half of its fp32 output (both round the same value to bf16 once).
+  __m512i bf16x32(int64_t m, int64_t k, uint16_t* scratch) const {
+    const int64_t left = K - k;
+    const __mmask32 valid = left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
+    const uint16_t* row = x + m * K + k;
+    if (!qdq) return _mm512_maskz_loadu_epi16(valid, row);
+    if (left >= 32) {
+      // qdq_block32 stores its results as four 16-byte vectors: read back the same way, each
+      // load is forwarded from its store (one 64-byte load over four stores waits for them).
+      qdq_block32<false>(row, recip_peak, scratch, 0);
+      const __m128i* q = reinterpret_cast<const __m128i*>(scratch);
+      const __m512i v = _mm512_castsi128_si512(_mm_load_si128(q));
+      return _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(v, _mm_load_si128(q + 1), 1), _mm_load_si128(q + 2), 2),
+                                _mm_load_si128(q + 3), 3);
+    }
+    qdq_block_scalar<false>(row, left, recip_peak, scratch, 0);
+    return _mm512_maskz_loadu_epi16(valid, scratch);
+  }
+#endif
+};
+
 // The A operands a call's microkernels read, built once per call.
 struct GemmOperands {
   int64_t M = 0, K = 0, Kp = 0;  // Kp: K rounded up to even (bf16 pairs)
-  at::Tensor a32;                // fp32 [M, K]
+  at::Tensor a32;                // fp32 [M, K] (written by stage_a32 first where that is set)
   at::Tensor bt32;               // fp32 A^T [K, M], built on first use
   at::Tensor apack;              // bf16 A^T in pairs, blocked for the dot microkernel (pack_activation), or undefined
   LowBits a_bits{0, false};
+  const ActivationSource* stage_a32 = nullptr;  // A packed from here, a32 not written yet
   std::once_flag bt32_once;
   const float* at32() {
-    std::call_once(bt32_once, [&] { bt32 = at::empty({K, M}, a32.options()).copy_(a32.t()); });
+    std::call_once(bt32_once, [&] {
+      if (stage_a32 != nullptr) stage_a32->fp32_here(a32.data_ptr<float>());
+      bt32 = at::empty({K, M}, a32.options()).copy_(a32.t());
+    });
     return bt32.data_ptr<float>();
   }
 };
@@ -1715,43 +1812,47 @@ inline int64_t packed_block_width(int64_t M, int64_t m0) {
   return std::min(kDotBlock, (M - m0 + 15) / 16 * 16);
 }
 
-// bf16 pairs of A^T (A fp32 [M, K] of bf16-exact values, so the conversion is
-// exact): 16 rows x 32 elements at a time, converted to 16 x 16 pairs and
-// transposed. Rows past M and elements past K are zero. `bits` gets A's bound,
-// taken from the same loads (vcvtne2ps2bf16 flushes subnormals: the packed copy
-// is exact only where bits.subnormal is false).
-at::Tensor pack_activation(const at::Tensor& A, int64_t kp2, LowBits& bits) {
-  const int64_t M = A.size(0), K = A.size(1);
+// Memory for a packed A of `count` int32 pairs, 64-byte aligned: kept per calling thread up
+// to kKeptPackBytes (the largest so far; one buffer for every pack_pairs instance), not
+// allocated per call: the allocator gave some sizes back to the OS on free, and each call
+// faulted the pages in again (4096 x 14336, M = 512: about 3000 page faults per call,
+// 14.7 MB). Aligned as at::empty's memory is: the register tiles load A in whole 64-byte
+// vectors, and from a std::vector's 16-byte-aligned data every one of them spans two cache
+// lines (4096 x 4096, M = 89-128: 1-7% slower than with the aligned buffer).
+inline at::Tensor packed_a_buffer(int64_t count) {
+  constexpr int64_t kKeptPackBytes = int64_t(64) << 20;
+  if (count * 4 > kKeptPackBytes) return at::empty({count}, at::TensorOptions().dtype(at::kInt));
+  thread_local std::vector<int32_t> kept;
+  if (static_cast<int64_t>(kept.size()) < count + 16) kept.resize(count + 16);
+  const uintptr_t base = reinterpret_cast<uintptr_t>(kept.data());
+  return at::from_blob(reinterpret_cast<int32_t*>((base + 63) & ~uintptr_t(63)), {count},
+                       at::TensorOptions().dtype(at::kInt));
+}
+
+// bf16 pairs of A^T, 16 rows x 32 elements at a time (load(m, k, scan, scratch): row m's
+// elements [k, k + 32) as 16 pairs, scanned into `scan`), transposed to 16 x 16 pairs. Rows
+// past M and elements past K are zero. `bits` gets A's bound, taken from the same loads.
+template <class Scan, class Load>
+at::Tensor pack_pairs(int64_t M, int64_t kp2, LowBits& bits, const Load& load) {
   const int64_t blocks = (M + kDotBlock - 1) / kDotBlock;
   const int64_t total = (blocks - 1) * kDotBlock + packed_block_width(M, (blocks - 1) * kDotBlock);
-  at::Tensor packed = at::empty({total * kp2}, A.options().dtype(at::kInt));
-  const float* a = A.data_ptr<float>();
+  at::Tensor packed = packed_a_buffer(total * kp2);
   int32_t* dst = packed.data_ptr<int32_t>();
   constexpr int64_t kPairsPerTask = 512;  // a multiple of 16
   const int64_t spans = (kp2 + kPairsPerTask - 1) / kPairsPerTask;
   std::vector<LowBits> task_bits(blocks * spans);
   run_tasks(blocks * spans, [&](int64_t t) {
-    ActivationScan scan;
+    Scan scan;
+    alignas(64) uint16_t scratch[32];
     const int64_t m0 = t / spans * kDotBlock, width = packed_block_width(M, m0);
     const int64_t p0 = t % spans * kPairsPerTask, p1 = std::min(kp2, p0 + kPairsPerTask);
     int32_t* block = dst + m0 * kp2;
     for (int64_t g = 0; g < width; g += 16) {
       for (int64_t p = p0; p < p1; p += 16) {
-        const int64_t k = 2 * p, left = K - k;
-        const __mmask16 lo = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(left, 0)) - 1);
-        const __mmask16 hi = left >= 32 ? __mmask16(0xFFFF) : left <= 16 ? __mmask16(0) : __mmask16((1u << (left - 16)) - 1);
         __m512i r[16];
         for (int i = 0; i < 16; ++i) {
           const int64_t m = m0 + g + i;
-          if (m >= M) {
-            r[i] = _mm512_setzero_si512();
-            continue;
-          }
-          const float* row = a + m * K + k;
-          const __m512 x0 = _mm512_maskz_loadu_ps(lo, row), x1 = _mm512_maskz_loadu_ps(hi, row + 16);
-          scan.add(x0);
-          scan.add(x1);
-          r[i] = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
+          r[i] = m < M ? load(m, 2 * p, scan, scratch) : _mm512_setzero_si512();
         }
         transpose16(r);
         const int64_t n = std::min<int64_t>(16, p1 - p);
@@ -1763,6 +1864,33 @@ at::Tensor pack_activation(const at::Tensor& A, int64_t kp2, LowBits& bits) {
   bits = {std::numeric_limits<int>::max(), false};
   for (const LowBits& b : task_bits) bits = {std::min(bits.low_bit, b.low_bit), bits.subnormal || b.subnormal};
   return packed;
+}
+
+// From fp32 A [M, K] of bf16-exact values (so the conversion is exact; vcvtne2ps2bf16
+// flushes subnormals: the packed copy is exact only where bits.subnormal is false).
+at::Tensor pack_activation(const at::Tensor& A, int64_t kp2, LowBits& bits) {
+  const int64_t K = A.size(1);
+  const float* a = A.data_ptr<float>();
+  return pack_pairs<ActivationScan>(A.size(0), kp2, bits, [&](int64_t m, int64_t k, ActivationScan& scan, uint16_t*) {
+    const int64_t left = K - k;
+    const __mmask16 lo = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(left, 0)) - 1);
+    const __mmask16 hi = left >= 32 ? __mmask16(0xFFFF) : left <= 16 ? __mmask16(0) : __mmask16((1u << (left - 16)) - 1);
+    const float* row = a + m * K + k;
+    const __m512 x0 = _mm512_maskz_loadu_ps(lo, row), x1 = _mm512_maskz_loadu_ps(hi, row + 16);
+    scan.add(x0);
+    scan.add(x1);
+    return (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
+  });
+}
+
+// From the entry points' bf16 x, qdq'd on the way where A is qdq(x): bf16 pairs are A's
+// bits as they are, so the pack is the transpose alone.
+at::Tensor pack_activation(const ActivationSource& src, int64_t kp2, LowBits& bits) {
+  return pack_pairs<Bf16Scan>(src.M, kp2, bits, [&](int64_t m, int64_t k, Bf16Scan& scan, uint16_t* scratch) {
+    const __m512i v = src.bf16x32(m, k, scratch);
+    scan.add(v);
+    return v;
+  });
 }
 
 // The decode of the next K chunk's panel, cut into steps of 32 elements that
@@ -2562,13 +2690,19 @@ void panel_mm(const Rows& wr, const at::Tensor& A, int64_t N, int64_t panel_byte
 
 // out [M, N] fp32 = A [M, K] (fp32, bf16-exact values) x W^T; or, where `final` is given
 // and the microkernel tasks run, final = round(A x W^T + bias) directly (then `out` is
-// not written). Returns whether `final` was written.
+// not written). Returns whether `final` was written. With `src`, A's values are not in A
+// yet: they come from src (packed straight from it for the bf16 tiles), and A is written
+// only where a path reads fp32 A (the fp32 microkernel's chunks, at::mm panels).
 template <class Rows>
 bool prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t panel_bytes, at::Tensor& out,
-                    const FinalOutput* final = nullptr) {
+                    const FinalOutput* final = nullptr, const ActivationSource* src = nullptr) {
 #if !defined(TORCH_BQ_AVX512)
   final = nullptr;  // the transposing store is scalar here: fp32 out, then store_output's vector rounding
 #endif
+  auto stage = [&] {
+    if (src != nullptr) src->fp32(A.data_ptr<float>());
+    src = nullptr;
+  };
 #if defined(TORCH_BQ_AVX2)
   if (brgemm_enabled()) {
     GemmOperands ops;
@@ -2579,10 +2713,14 @@ bool prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t pane
 #if defined(TORCH_BQ_AVX512_BF16)
     if (bf16_brgemm_works()) {
       ops.Kp = ops.K + (ops.K & 1);
-      ops.apack = pack_activation(A, ops.Kp / 2, ops.a_bits);
+      ops.apack = src != nullptr ? pack_activation(*src, ops.Kp / 2, ops.a_bits) : pack_activation(A, ops.Kp / 2, ops.a_bits);
       bf16 = !ops.a_bits.subnormal;
     }
 #endif
+    if (bf16)
+      ops.stage_a32 = src;  // fp32 A only if some chunk takes the fp32 microkernel (GemmOperands::at32)
+    else
+      stage();  // every chunk on the fp32 microkernel
 #if defined(TORCH_BQ_AVX512_BF16)
     constexpr int64_t task_rows = kDotTaskRows;
 #else
@@ -2590,9 +2728,15 @@ bool prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t pane
 #endif
     // Consecutive groups of task_rows per task, so that a group's first panel is decoded
     // during the previous group's last chunk; at least 8 tasks per thread (a late thread
-    // costs one task), at most 4 groups each.
+    // costs one task), at most 4 groups each. On one thread there is no late thread to
+    // wait for, so a single task takes every group: only the call's first panel is decoded
+    // on its own, and only its last chunk runs without a job (no decode overlap, no A
+    // prefetch). With 4 groups per task, 2880 x 2880 (30 groups, 10 tasks) decoded a ninth
+    // of its panels on their own; one task was about 5% faster there (in-process A/B).
     const int64_t groups = (N + task_rows - 1) / task_rows;
-    const int64_t per_task = std::clamp<int64_t>(groups / (8 * std::max(1, at::get_num_threads())), 1, 4);
+    const int threads = std::max(1, at::get_num_threads());
+    const int64_t per_task =
+        threads == 1 ? std::max<int64_t>(groups, 1) : std::clamp<int64_t>(groups / (8 * threads), 1, 4);
     const int64_t tasks = (groups + per_task - 1) / per_task;
     float* o = final != nullptr ? nullptr : out.data_ptr<float>();
     run_tasks(tasks, [&](int64_t t) {
@@ -2602,6 +2746,7 @@ bool prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t pane
     return final != nullptr;
   }
 #endif
+  stage();
   panel_mm(wr, A, N, panel_bytes, out);
   return false;
 }
@@ -2884,16 +3029,11 @@ float* scratch(int64_t count, int slot, at::Tensor& holder) {
   return buffers[slot].data();
 }
 
-// A of docs/contract.md §4 into a (fp32 [M, K]): qdq_fp8(bf16(x)) or bf16(x), x [..., K].
-void stage_activation(const at::Tensor& x, int64_t M, int64_t K, bool act_quant, double act_peak, float* a) {
-  at::Tensor xb = x;
-  if (!(x.scalar_type() == at::kBFloat16 && x.is_contiguous())) xb = x.reshape({M, K}).to(at::kBFloat16).contiguous();
-  const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
-  if (act_quant) {
-    qdq_rows<true>(xp, M, K, static_cast<float>(1.0 / act_peak), a);  // fp32(1/peak), as qdq_fp8
-  } else {
-    for (int64_t i = 0; i < M * K; ++i) a[i] = f32_from_bits(uint32_t(xp[i]) << 16);
-  }
+// A of docs/contract.md §4 as fp32 [M, K] into scratch slot 0: qdq_fp8(bf16(x)) or bf16(x).
+float* staged_a(const ActivationSource& src, at::Tensor& holder) {
+  float* a = scratch(src.M * src.K, 0, holder);
+  src.fp32(a);
+  return a;
 }
 
 // out [M, N] of its dtype = round(y + bias): the op's one final rounding. bf16 as torch
@@ -2930,10 +3070,10 @@ void store_output(const float* y, const float* bias, int64_t M, int64_t N, at::T
   }
 }
 
-// The shared body: A staged, kernel(a, M, y) (y fp32 [M, N]), bias and rounding into the
-// final [..., N] tensor. The decode path touches no ATen op (each costs microseconds from a
-// cold cache): the weight and scale bytes are read through their pointers, whatever their
-// dtype names.
+// The shared body: bf16(x), kernel(src, y, final) (A's source; y fp32 [M, N]: the kernel
+// stages fp32 A with staged_a where it needs it), bias and rounding into the final [..., N]
+// tensor. The decode path touches no ATen op (each costs microseconds from a cold cache): the
+// weight and scale bytes are read through their pointers, whatever their dtype names.
 template <class Kernel>
 at::Tensor staged_entry(const at::Tensor& x, int64_t N, const std::optional<at::Tensor>& bias, bool act_quant,
                         double act_peak, at::ScalarType out_dtype, const Kernel& kernel) {
@@ -2942,17 +3082,19 @@ at::Tensor staged_entry(const at::Tensor& x, int64_t N, const std::optional<at::
   shape.back() = N;
   at::Tensor out = at::detail::empty_cpu(shape, out_dtype, false, std::nullopt);
   if (M == 0 || N == 0) return out;
-  at::Tensor a_holder, y_holder, b_holder;
-  float* a = scratch(M * K, 0, a_holder);
+  at::Tensor xb = x, y_holder, b_holder;
+  if (!(x.scalar_type() == at::kBFloat16 && x.is_contiguous())) xb = x.reshape({M, K}).to(at::kBFloat16).contiguous();
+  // fp32(1/peak), as qdq_fp8
+  const ActivationSource src{reinterpret_cast<const uint16_t*>(xb.data_ptr()), M, K, act_quant,
+                             static_cast<float>(1.0 / act_peak)};
   float* y = scratch(M * N, 1, y_holder);
-  stage_activation(x, M, K, act_quant, act_peak, a);
   const float* b = nullptr;
   if (bias.has_value()) {
     b_holder = bias->scalar_type() == at::kFloat && bias->is_contiguous() ? *bias : bias->to(at::kFloat).contiguous();
     b = b_holder.const_data_ptr<float>();
   }
   const FinalOutput final{out.data_ptr(), out_dtype, b, N};
-  if (!kernel(a, M, y, final)) store_output(y, b, M, N, out);  // the kernel wrote y, not out
+  if (!kernel(src, y, final)) store_output(y, b, M, N, out);  // the kernel wrote y, not out
   return out;
 }
 
@@ -2962,11 +3104,14 @@ at::Tensor run_entry(const at::Tensor& x, const at::Tensor& weight, const at::Te
                      double act_peak, at::ScalarType out_dtype, int64_t decode_max_m, int64_t panel_bytes) {
   const int64_t K = x.size(-1), N = weight.size(0);
   return staged_entry(x, N, bias, act_quant, act_peak, out_dtype,
-                      [&](float* a, int64_t M, float* y, const FinalOutput& final) {
+                      [&](const ActivationSource& src, float* y, const FinalOutput& final) {
+    const int64_t M = src.M;
     const WeightView w{static_cast<const uint8_t*>(weight.const_data_ptr()), weight.size(1), scale.const_data_ptr(),
                        scale.size(1), bn, bk, K};
     const bool codes = scale.scalar_type() != at::kFloat;
+    at::Tensor a_holder;
     if (M <= decode_max_m) {
+      const float* a = staged_a(src, a_holder);
       if (codes)
         decode_linear<Fmt, uint8_t>(w, a, M, N, y);
       else
@@ -2974,8 +3119,13 @@ at::Tensor run_entry(const at::Tensor& x, const at::Tensor& weight, const at::Te
       return false;
     }
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
-    at::Tensor a_t = at::from_blob(a, {M, K}, f32), y_t = at::from_blob(y, {M, N}, f32);
-    if (codes) return prefill_linear(QuantizedRows<Fmt, uint8_t>{w}, a_t, N, panel_bytes, y_t, &final);
+    at::Tensor y_t = at::from_blob(y, {M, N}, f32);
+    if (codes) {  // A packed from x where the bf16 tiles run
+      at::Tensor a_t = at::from_blob(scratch(M * K, 0, a_holder), {M, K}, f32);
+      return prefill_linear(QuantizedRows<Fmt, uint8_t>{w}, a_t, N, panel_bytes, y_t, &final, &src);
+    }
+    // fp32 multipliers: the fp32 microkernel throughout, on fp32 A
+    at::Tensor a_t = at::from_blob(staged_a(src, a_holder), {M, K}, f32);
     return prefill_linear(QuantizedRows<Fmt, float>{w}, a_t, N, panel_bytes, y_t, &final);
   });
 }
@@ -3031,13 +3181,17 @@ at::Tensor dense_linear_op(const at::Tensor& x, const at::Tensor& weight, const 
     return {};
   const int64_t N = weight.size(0), K = weight.size(1);
   if (!(K > 0 && x.size(-1) == K && plain_bias(bias, N))) return {};
-  return staged_entry(x, N, bias, false, 1.0, out_dtype, [&](float* a, int64_t M, float* y, const FinalOutput& final) {
+  return staged_entry(x, N, bias, false, 1.0, out_dtype, [&](const ActivationSource& src, float* y,
+                                                            const FinalOutput& final) {
+    const int64_t M = src.M;
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
-    at::Tensor a_t = at::from_blob(a, {M, K}, f32), y_t = at::from_blob(y, {M, N}, f32);
+    at::Tensor a_holder;
+    // A packed from bf16(x) where the bf16 tiles run, fp32 A written only where a path reads it
+    at::Tensor a_t = at::from_blob(scratch(M * K, 0, a_holder), {M, K}, f32), y_t = at::from_blob(y, {M, N}, f32);
     if (weight.scalar_type() == at::kBFloat16)
       return prefill_linear(DenseRows<at::BFloat16>{weight.const_data_ptr<at::BFloat16>(), K}, a_t, N, panel_bytes,
-                            y_t, &final);
-    return prefill_linear(DenseRows<float>{weight.const_data_ptr<float>(), K}, a_t, N, panel_bytes, y_t, &final);
+                            y_t, &final, &src);
+    return prefill_linear(DenseRows<float>{weight.const_data_ptr<float>(), K}, a_t, N, panel_bytes, y_t, &final, &src);
   });
 }
 
