@@ -1618,9 +1618,13 @@ struct ActivationScan {
 };
 #endif
 
-#if defined(TORCH_BQ_AVX512_BF16)
-// The bound of bf16 values, 32 at a time (A's, taken while pack_activation packs it from bf16):
-// as ActivationScan on the same values widened to fp32 (bf16 keeps fp32's exponent field).
+#if defined(TORCH_BQ_AVX512)
+// The bound of bf16 values, 32 at a time: the smallest exponent field among nonzero elements
+// (per lane) and whether a nonzero one was subnormal. A's, taken while pack_activation packs
+// it from bf16 (as ActivationScan on the same values widened to fp32: bf16 keeps fp32's
+// exponent field), and bf16 weights' (DenseRows). No constant operands: inside the register
+// tiles (DenseRows' ScanJob) every spare register is taken by accumulators, and one more
+// would make GCC spill them around each step.
 struct Bf16Scan {
   __m512i low = _mm512_set1_epi16(255);
   __mmask32 tiny = 0;
@@ -1631,11 +1635,12 @@ struct Bf16Scan {
     tiny |= _mm512_mask_testn_epi16_mask(nonzero, e, e);
     low = _mm512_mask_min_epu16(low, nonzero, low, e);
   }
-  LowBits bits() const {
+  uint32_t min_exp() const {
     const __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(low));
     const __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(low, 1));
-    return {static_cast<int>(_mm512_reduce_min_epu32(_mm512_min_epu32(lo, hi))) - 134, tiny != 0};
+    return _mm512_reduce_min_epu32(_mm512_min_epu32(lo, hi));
   }
+  LowBits bits() const { return {static_cast<int>(min_exp()) - 134, tiny != 0}; }
 };
 #endif
 
@@ -2314,28 +2319,7 @@ struct DenseRows {
                                 bf16_rne16(_mm512_loadu_ps(src + 16)), 1);
     }
   }
-  // The running bound of a scan: the smallest exponent field among nonzero
-  // elements (per lane) and whether a nonzero one was subnormal.
-  struct Scan {
-    __m512i low = _mm512_set1_epi16(255);
-    __mmask32 tiny = 0;
-    // No constant operands: inside the register tiles (ScanJob) every spare register is
-    // taken by accumulators, and one more would make GCC spill them around each step.
-    void add(__m512i v) {
-      const __m512i mag = _mm512_slli_epi16(v, 1);  // the sign shifted out
-      const __mmask32 nonzero = _mm512_test_epi16_mask(mag, mag);
-      const __m512i e = _mm512_srli_epi16(mag, 8);
-      tiny |= _mm512_mask_testn_epi16_mask(nonzero, e, e);
-      low = _mm512_mask_min_epu16(low, nonzero, low, e);
-    }
-    uint32_t min_exp() const {
-      alignas(64) uint16_t lanes[32];
-      _mm512_store_si512(reinterpret_cast<void*>(lanes), low);
-      uint32_t m = 255;
-      for (uint16_t lane : lanes) m = std::min<uint32_t>(m, lane);
-      return m;
-    }
-  };
+  using Scan = Bf16Scan;
 #endif
   // Copies and scans in one pass (bf16 weights carry no shared scale to read the bound from).
   LowBits bf16(int64_t n, int64_t k0, int64_t k1, uint16_t* dst, float*) const { return convert<true>(n, k0, k1, dst); }
