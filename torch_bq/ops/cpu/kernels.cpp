@@ -427,11 +427,10 @@ int64_t fp8_blocks32_factored(const uint8_t* const* rows, const uint8_t* const* 
 // keep the largest finite.
 int scale_for_factoring(float* a, int64_t n) {
   uint32_t lowest = 255, highest = 0;
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < n; ++i) {  // branch-free, so that it vectorizes; a zero's field is 0
     const uint32_t bits = bits_from_f32(a[i]) & 0x7FFFFFFFu;
-    if (bits == 0) continue;
     const uint32_t field = bits >> 23;
-    lowest = std::min(lowest, field);
+    lowest = std::min(lowest, bits != 0 ? field : 255u);
     highest = std::max(highest, field);
   }
   if (highest == 0 && lowest == 255) return 0;  // all zero
@@ -539,9 +538,11 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int a_e
         if constexpr (std::is_same_v<Fmt, Fp8Format>) {
           if (!denormals_are_zero()) {  // this thread's MXCSR (a worker's may differ from the caller's)
             if constexpr (MT == 1) {
-              if (a_exp >= 0) b = fp8_blocks32_factored<NT>(rows, srows, a_perm[0], K, acc, ahead, a_exp);
+              b = a_exp >= 0 ? fp8_blocks32_factored<NT>(rows, srows, a_perm[0], K, acc, ahead, a_exp)
+                             : fp8_blocks32<MT, NT>(rows, srows, a_perm, K, acc, ahead);
+            } else {
+              b = fp8_blocks32<MT, NT>(rows, srows, a_perm, K, acc, ahead);
             }
-            if (MT > 1 || a_exp < 0) b = fp8_blocks32<MT, NT>(rows, srows, a_perm, K, acc, ahead);
           }
         }
       }
@@ -1652,6 +1653,8 @@ template <bool kF32Out>
 void qdq_block32(const uint16_t* x, float recip_peak, void* out, int64_t offset);
 #endif
 template <bool kF32Out>
+void qdq_row(const uint16_t* x, int64_t r, int64_t K, float recip_peak, void* out);
+template <bool kF32Out>
 void qdq_rows(const uint16_t* x, int64_t M, int64_t K, float recip_peak, void* out);
 
 // A of docs/contract.md §4 as the one-call entry points hold it: bf16 x [M, K] (contiguous)
@@ -1670,27 +1673,16 @@ struct ActivationSource {
     if (qdq) {
       qdq_rows<true>(x, M, K, recip_peak, a);
     } else {
-      for (int64_t i = 0; i < M * K; ++i) a[i] = f32_from_bits(uint32_t(x[i]) << 16);
+      widen(a);
     }
   }
   // The same on the calling thread alone (from inside a task: run_tasks does not nest).
   void fp32_here(float* a) const {
-    if (!qdq) {
-      for (int64_t i = 0; i < M * K; ++i) a[i] = f32_from_bits(uint32_t(x[i]) << 16);
-      return;
-    }
-    for (int64_t m = 0; m < M; ++m) {
-      for (int64_t k0 = 0; k0 < K; k0 += 32) {
-        const int64_t len = std::min<int64_t>(32, K - k0);
-#if defined(TORCH_BQ_AVX2)
-        if (len == 32) {
-          qdq_block32<true>(x + m * K + k0, recip_peak, a, m * K + k0);
-          continue;
-        }
-#endif
-        qdq_block_scalar<true>(x + m * K + k0, len, recip_peak, a, m * K + k0);
-      }
-    }
+    if (!qdq) return widen(a);
+    for (int64_t m = 0; m < M; ++m) qdq_row<true>(x, m, K, recip_peak, a);
+  }
+  void widen(float* a) const {  // bf16(x) as fp32
+    for (int64_t i = 0; i < M * K; ++i) a[i] = f32_from_bits(uint32_t(x[i]) << 16);
   }
 #if defined(TORCH_BQ_AVX512_BF16)
   // Elements [k, k + 32) of A's row m as bf16 bits, those past K zero (k a multiple of 32:
@@ -2925,21 +2917,24 @@ void qdq_block32(const uint16_t* x, float recip_peak, void* out, int64_t offset)
 #endif
 
 template <bool kF32Out>
+void qdq_row(const uint16_t* x, int64_t r, int64_t K, float recip_peak, void* out) {
+  for (int64_t k0 = 0; k0 < K; k0 += kQdqBlock) {
+    const int64_t len = std::min(kQdqBlock, K - k0);
+#if defined(TORCH_BQ_AVX2)
+    if (len == kQdqBlock) {
+      qdq_block32<kF32Out>(x + r * K + k0, recip_peak, out, r * K + k0);
+      continue;
+    }
+#endif
+    qdq_block_scalar<kF32Out>(x + r * K + k0, len, recip_peak, out, r * K + k0);
+  }
+}
+
+template <bool kF32Out>
 void qdq_rows(const uint16_t* x, int64_t M, int64_t K, float recip_peak, void* out) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
   run_tasks((M + grain - 1) / grain, [&](int64_t t) {
-    for (int64_t r = t * grain; r < std::min(M, (t + 1) * grain); ++r) {
-      for (int64_t k0 = 0; k0 < K; k0 += kQdqBlock) {
-        const int64_t len = std::min(kQdqBlock, K - k0);
-#if defined(TORCH_BQ_AVX2)
-        if (len == kQdqBlock) {
-          qdq_block32<kF32Out>(x + r * K + k0, recip_peak, out, r * K + k0);
-          continue;
-        }
-#endif
-        qdq_block_scalar<kF32Out>(x + r * K + k0, len, recip_peak, out, r * K + k0);
-      }
-    }
+    for (int64_t r = t * grain; r < std::min(M, (t + 1) * grain); ++r) qdq_row<kF32Out>(x, r, K, recip_peak, out);
   });
 }
 

@@ -213,7 +213,7 @@ def _configure_c_route(op, fmt: str, fallback) -> None:
         return
     guards = [(vars(_backend), "_selection", selection), (globals(), "decode_max_m", decode_max_m),
               (globals(), "PANEL_BYTES", PANEL_BYTES)]
-    module.configure_direct(fmt, torch.Tensor, torch.nn.Parameter, disabled, formats.MIN_ACT_PEAK,
+    module.configure_direct(fmt, *_PLAIN, disabled, formats.MIN_ACT_PEAK,
                             formats.FP8_MAX, *decode_limits(selection.ops, fmt), PANEL_BYTES, guards, fallback)
     op_defs.register_direct(f"{fmt}_linear", getattr(module, f"{fmt}_linear_route"))
 
