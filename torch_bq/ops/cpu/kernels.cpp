@@ -852,7 +852,7 @@ std::atomic<int64_t> dot_decode_calls[2];
 //     for group g: w[] = decode(W[n, g]); for m: t = sum over r of dot(w[r], A[r])
 //                  acc[m][n] += t * s16[lanes of g]
 // Tiles: below Fold<D>::kMinRows rows (7 for both formats), NT = 4 weight rows x
-// MT = 1-5 (fp4: Fp4Span for 1 and 2 rows, Fp4Dot from 3) or 1-4 (fp8) rows
+// MT = 1-5 rows (fp4: Fp4Span for 1 and 2 rows, Fp4Dot from 3)
 // with the per-lane scales above (taller M: several row tiles over the same 4
 // weight rows, the later ones reading them from L1); from there the folded
 // K-block tiles (section "From Fold<D>::kMinRows rows" below), for every e8m0
@@ -1072,6 +1072,9 @@ struct Problem {
   int64_t N;
 };
 
+// How far ahead (in groups) the tiles of 5 and more rows prefetch A.
+constexpr int64_t kAheadGroupsA = 4;
+
 // out[m0:m0+MT, n0:n0+NT]
 template <class D, int MT, int NT>
 void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
@@ -1108,6 +1111,17 @@ void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
   auto group = [&](int64_t g, const __m512 (&s16)[NT], __m512i lanes, auto masked) {
     for (int64_t c = 0; c < kAheadLines; ++c)
       _mm_prefetch(reinterpret_cast<const char*>(ahead + (g * kAheadLines + c) * 64), _MM_HINT_T0);
+    // From 5 A rows, their lines too (kAheadGroupsA groups ahead): with the NT
+    // weight rows that makes 9 or more streams, more than the hardware
+    // prefetchers follow, and where A does not fit in L1 (K = 4096 and up) each
+    // A load then waited on L2. Without this the fp8 5-row tile took 1.2-1.7x
+    // the time of two tiles of 2 and 3 rows; with it 0.90-0.91x.
+    if constexpr (MT >= 5) {
+      for (int i = 0; i < MT; ++i)
+        for (int r = 0; r < D::kRegs; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(arows[i] + (g + kAheadGroupsA) * D::kGroupElems + 32 * r),
+                       _MM_HINT_T0);
+    }
     for (int j = 0; j < NT; ++j) {
       __m512i wv[D::kRegs];
       if constexpr (decltype(masked)::value)
@@ -1150,17 +1164,18 @@ void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
 // accumulators, 4 scale registers, the decoded pair and the lane permute fit
 // the 32 zmm (M = 5 in one tile took 0.87-0.94x the time of two tiles of 3 and
 // 2 rows, which decode the weight twice; 1 thread, Zen 5). Fp4Span: 2 (linear()
-// gives it only M = 1 and 2; see there). fp8: 4 (4 x 4 accumulators, the byte
+// gives it only M = 1 and 2; see there). fp8: 5 (5 x 4 accumulators, the byte
 // tables and the decoded pair; the scales are memory operands). With the
 // weight bytes loaded once per group (Fp8Dot::decode), M = 4 as one 4-row tile
 // took 0.75-0.87x the time of 2 + 2 and about the same time per row as M = 3;
 // without that, 2 + 2 (the second tile reading the 4 weight rows from L1)
-// had been as fast or faster. Its 5-row tiles, over 4, 3 or 2 weight rows, were no
-// faster than 2 + 3 on the K = 4096 and 14336 shapes (kernel calls interleaved
-// in one process, cold cache, 11-21 rounds, five shapes, 2026-12-02; section
-// "The fp8 M = 3 -> 4 step (cliff4 branch ...)" of docs/benchmarks.md).
+// had been as fast or faster. M = 5 as one tile took 0.86-0.95x the time of
+// 2 + 3 once the tile prefetched its A rows (see tile(); without that it was
+// 1.2-1.7x) and about M = 4's time per row (kernel calls interleaved in one
+// process, cold cache, 11 rounds, five shapes, Zen 5, 2026-12-02; section
+// "The fp8 M = 4 -> 5 step: A's streams (stop 22 ...)" of docs/benchmarks.md).
 template <class D>
-constexpr int kDirectMaxMT = std::is_same_v<D, Fp8Dot> ? 4 : std::is_same_v<D, Fp4Span> ? 2 : 5;
+constexpr int kDirectMaxMT = std::is_same_v<D, Fp4Span> ? 2 : 5;
 
 template <class D, int NT>
 void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
