@@ -118,6 +118,13 @@ int bq_repacked(void *handle) { return ((bq_handle *)handle)->repacked; }
 
 int bq_huge_pages(void *handle) { return ((bq_handle *)handle)->huge_pages; }
 
+/* The weight's buffer (ggml's repacked layout where it has one), for the caller to evict. */
+void bq_weight_buffer(void *handle, void **base, size_t *size) {
+  bq_handle *h = handle;
+  *base = ggml_backend_buffer_get_base(h->wbuf);
+  *size = ggml_backend_buffer_get_size(h->wbuf);
+}
+
 static bq_graph *graph_for(bq_handle *h, int64_t m) {
   for (int i = 0; i < h->n_graphs; ++i)
     if (h->graphs[i].m == m) return &h->graphs[i];

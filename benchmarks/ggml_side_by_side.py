@@ -30,8 +30,10 @@ comparison in this process, the AVX2 one in a child process with torch_bq's
 CPU kernels capped at AVX2 (a process loads one build of the kernels).
 
 Method: 1 thread (``OMP_NUM_THREADS=1``; ggml ``n_threads = 1``); every call
-starts with a cold last-level cache (a buffer twice its size is read, untimed,
-before each call); the implementations are interleaved call by call, ``--reps``
+starts with its weight in memory only: before each call, untimed, a buffer twice
+the last-level cache is read and every weight of the case is evicted line by
+line (``benchmarks/evict.c``, built here with the system C compiler; the read
+alone left much of an 8 MiB weight in a Zen 5's L3); the implementations are interleaved call by call, ``--reps``
 rounds, and each time is the median. Times are the calling thread's CPU time
 (``time.thread_time``), so a shared machine's descheduling does not enter;
 memory contention from other jobs still does, hence the load average in the
@@ -178,6 +180,7 @@ class Ggml:
         lib.bq_repacked.argtypes = [ctypes.c_void_p]
         lib.bq_huge_pages.argtypes = [ctypes.c_void_p]
         lib.bq_free.argtypes = [ctypes.c_void_p]
+        lib.bq_weight_buffer.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)]
         self.lib = lib
         bits = lib.bq_isa_flags()
         self.isa = [name for i, name in enumerate(self.FLAGS) if bits >> i & 1]
@@ -207,6 +210,12 @@ class GgmlWeight:
     def run(self) -> None:
         if self.lib.bq_run(self.handle, self.m) != 0:
             raise RuntimeError("ggml graph compute failed")
+
+    def region(self) -> tuple[int, int]:
+        """``(address, bytes)`` of the weight's buffer."""
+        base, size = ctypes.c_void_p(), ctypes.c_size_t()
+        self.lib.bq_weight_buffer(self.handle, ctypes.byref(base), ctypes.byref(size))
+        return base.value, size.value
 
     def output(self):
         y = self._torch.empty(self.m, self.n)
@@ -268,21 +277,82 @@ def load() -> str:
     return "/".join(f"{v:.2f}" for v in os.getloadavg())
 
 
+class Evictor:
+    """Evicts memory regions from every cache level (``benchmarks/evict.c``, built here with the
+    system C compiler into ``cache``); where that cannot be built or the CPU has no user-level
+    eviction, ``method`` says so and evicting does nothing."""
+
+    SOURCE = Path(__file__).with_name("evict.c")
+
+    def __init__(self, cache: Path):
+        self.lib, self.method = None, "none"
+        lib_path = cache / "libbq_evict.so"
+        try:
+            if not lib_path.exists() or lib_path.stat().st_mtime < self.SOURCE.stat().st_mtime:
+                cache.mkdir(parents=True, exist_ok=True)
+                subprocess.run([os.environ.get("CC", "cc"), "-O2", "-shared", "-fPIC", "-o", str(lib_path),
+                                str(self.SOURCE)], check=True, capture_output=True, text=True)
+            lib = ctypes.CDLL(str(lib_path))
+            lib.bq_evict.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            probe = ctypes.create_string_buffer(64)
+            if lib.bq_evict(ctypes.addressof(probe), 64):
+                self.lib, self.method = lib, "every weight evicted line by line (clflush / dc civac)"
+        except (OSError, subprocess.CalledProcessError) as e:
+            self.method = f"none ({type(e).__name__}: cannot build benchmarks/evict.c)"
+
+    def __call__(self, regions) -> None:
+        if self.lib is not None:
+            for address, size in regions:
+                self.lib.bq_evict(address, size)
+
+
+def regions(*objs) -> list[tuple[int, int]]:
+    """``(address, bytes)`` of the memory behind tensors (tensor subclasses such as torchao's
+    through ``__tensor_flatten__``), modules (their parameters and buffers) and ggml weights,
+    each storage once."""
+    import torch
+
+    found = {}
+
+    def add(obj):
+        if isinstance(obj, GgmlWeight):
+            address, size = obj.region()
+            found[address] = size
+        elif isinstance(obj, torch.nn.Module):
+            for t in [*obj.parameters(), *obj.buffers()]:
+                add(t)
+        elif isinstance(obj, torch.Tensor):
+            if type(obj) not in (torch.Tensor, torch.nn.Parameter) and hasattr(obj, "__tensor_flatten__"):
+                for name in obj.__tensor_flatten__()[0]:
+                    add(getattr(obj, name))
+            else:
+                storage = obj.untyped_storage()
+                found[storage.data_ptr()] = storage.nbytes()
+
+    for obj in objs:
+        add(obj)
+    return [(address, size) for address, size in found.items() if size]
+
+
 class Timer:
     """Interleaved, cold-cache, median thread-CPU time of several callables.
 
-    The order of the callables is shuffled every round (seeded): the flush empties
-    the data caches but not all of the instruction cache and branch predictors,
-    so a fixed order would hand each callable the leftovers of the same neighbour.
+    Before each call a buffer twice the last-level cache is read and ``cold`` (the
+    regions of every weight of the case, see ``regions``) is evicted: the read alone
+    left much of an 8 MiB weight in a Zen 5's L3 (``benchmarks/evict.c``). The order
+    of the callables is shuffled every round (seeded): the flush empties the data
+    caches but not all of the instruction cache and branch predictors, so a fixed
+    order would hand each callable the leftovers of the same neighbour.
     """
 
-    def __init__(self, reps: int):
+    def __init__(self, reps: int, evict: Evictor | None = None):
         import torch
 
         self.reps = reps
+        self.evict = evict
         self.flush = torch.ones(LLC_FLUSH_BYTES // 4)
 
-    def __call__(self, fns: dict) -> dict:
+    def __call__(self, fns: dict, cold=()) -> dict:
         for fn in fns.values():  # warm-up: code paths, allocator, graph set-up
             fn()
         samples = {name: [] for name in fns}
@@ -291,6 +361,8 @@ class Timer:
             random.Random(rep).shuffle(order)
             for name, fn in order:
                 self.flush.sum()
+                if self.evict is not None:
+                    self.evict(cold)
                 start = time.thread_time()
                 fn()
                 samples[name].append(time.thread_time() - start)
@@ -344,7 +416,7 @@ def torchao_linears(w_bf16):
     return out, "; ".join(notes)
 
 
-def bench_isa(isa: str, ggml_lib: Path, shapes, rows, reps: int, with_torchao: bool) -> dict:
+def bench_isa(isa: str, ggml_lib: Path, shapes, rows, reps: int, with_torchao: bool, cache: Path) -> dict:
     """All cases at one ISA, in this process (torch_bq must already be capped to ``isa``)."""
     import torch
     import torch.nn.functional as F
@@ -363,11 +435,13 @@ def bench_isa(isa: str, ggml_lib: Path, shapes, rows, reps: int, with_torchao: b
     staged = _backend.entry_module(kernels) or kernels  # the kernel calls without torch.ops where the build allows
     ggml = Ggml(ggml_lib)
     bandwidth = read_bandwidth()
+    evict = Evictor(cache)
     meta = {"isa": isa, "torch_bq_decode": ours, "ggml_isa": ggml.isa, "bandwidth": bandwidth,
-            "load_start": load(), "torch": torch.__version__, "huge_pages": huge_pages()}
+            "load_start": load(), "torch": torch.__version__, "huge_pages": huge_pages(), "cold": evict.method}
     print(f"[{isa}] torch_bq decode kernels: {ours}; ggml built with {'+'.join(ggml.isa)}; "
-          f"read bandwidth {bandwidth / 1e9:.1f} GB/s; load {meta['load_start']}", flush=True)
-    timer = Timer(reps)
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s; cold cache: {evict.method}; load {meta['load_start']}",
+          flush=True)
+    timer = Timer(reps, evict)
     results = []
     ao_note = "torchao not run"
     for n, k in shapes:
@@ -384,6 +458,7 @@ def bench_isa(isa: str, ggml_lib: Path, shapes, rows, reps: int, with_torchao: b
         p4b, s4b = formats.as_fp4_bytes(p4), formats.as_e8m0_codes(s4)
         max8, max4 = fast.decode_max_m(kernels, "fp8", k), fast.decode_max_m(kernels, "fp4", k)
         mod8, mod4 = bqnn.FP8Linear.from_quantized(d8, s8), bqnn.FP4Linear.from_quantized(p4, s4)
+        cold = regions(d8, s8, p4, s4, w_bf16, q8, mx, mod8, mod4, *ao.values())
         for m in rows:
             x = torch.randn(m, k, dtype=torch.bfloat16)
             q8.prepare(x)
@@ -403,7 +478,7 @@ def bench_isa(isa: str, ggml_lib: Path, shapes, rows, reps: int, with_torchao: b
                 fns["fp4-module"] = lambda: mod4(x)
             for name, lin in ao.items():
                 fns[name] = lambda lin=lin: lin(x)
-            t = timer(fns)
+            t = timer(fns, cold)
             t["floor4"] = (n * -(-k // 2) + n * -(-k // 32)) / bandwidth
             results.append({"n": n, "k": k, "m": m, **t})
             print(f"  [{isa}] {n}x{k} M={m}: " + ", ".join(f"{key} {v * 1e3:.3f}" for key, v in t.items())
@@ -605,7 +680,7 @@ def quantized_weights(n: int, k: int):
     return (d8, s8, p4, s4), raw
 
 
-def crossover(shapes, rows, reps: int) -> None:
+def crossover(shapes, rows, reps: int, cache: Path) -> None:
     """Decode path forced vs prefill path forced, kernel calls at the selected ISA level: the
     measurements behind ``torch_bq.ops.cpu.linear.DECODE_MAX_M`` (the decode path should run up to
     the largest M where it is not slower per row)."""
@@ -614,11 +689,14 @@ def crossover(shapes, rows, reps: int) -> None:
     from torch_bq.ops.cpu import linear as fast
 
     kernels = one_thread_kernels("load average")
-    timer = Timer(reps)
+    evict = Evictor(cache)
+    print(f"cold cache: {evict.method}")
+    timer = Timer(reps, evict)
     print("| shape | M | fp8 decode | fp8 prefill | fp4 decode | fp4 prefill |  (kernel call, ms per row)")
     print("|---|---:|---:|---:|---:|---:|")
     for n, k in shapes:
         _, (d8b, s8b, p4b, s4b) = quantized_weights(n, k)
+        cold = regions(d8b, s8b, p4b, s4b)
         last = {"fp8": 0, "fp4": 0}
         for m in rows:
             a = kernels.qdq_fp8(torch.randn(m, k, dtype=torch.bfloat16), 224.0, True)
@@ -627,7 +705,7 @@ def crossover(shapes, rows, reps: int) -> None:
                 "fp8 prefill": lambda: kernels.fp8_linear(a, d8b, s8b, None, 32, 32, 0, fast.PANEL_BYTES),
                 "fp4 decode": lambda: kernels.fp4_linear(a, p4b, s4b, None, 1 << 30, fast.PANEL_BYTES),
                 "fp4 prefill": lambda: kernels.fp4_linear(a, p4b, s4b, None, 0, fast.PANEL_BYTES),
-            })
+            }, cold)
             for fmt in last:
                 if t[f"{fmt} decode"] <= t[f"{fmt} prefill"]:
                     last[fmt] = m
@@ -636,7 +714,7 @@ def crossover(shapes, rows, reps: int) -> None:
     print(f"load average after: {load()}")
 
 
-def cliff_check(shapes, rows, reps: int) -> None:
+def cliff_check(shapes, rows, reps: int, cache: Path) -> None:
     """Time per row at every M of ``rows``, the public ops and the kernel calls (decode/prefill
     boundary as selected), with all row counts of a shape in the same shuffled rounds, so that a
     change of load during the run moves M and M + 1 alike; then each step M -> M + 1 whose time
@@ -650,11 +728,14 @@ def cliff_check(shapes, rows, reps: int) -> None:
 
     kernels = one_thread_kernels(f"{reps} rounds, medians; load average")
     staged = _backend.entry_module(kernels) or kernels
-    timer = Timer(reps)
+    evict = Evictor(cache)
+    print(f"cold cache: {evict.method}")
+    timer = Timer(reps, evict)
     flagged = []
     for n, k in shapes:
         (d8, s8, p4, s4), (d8b, s8b, p4b, s4b) = quantized_weights(n, k)
         max8, max4 = fast.decode_max_m(kernels, "fp8", k), fast.decode_max_m(kernels, "fp4", k)
+        cold = regions(d8, s8, p4, s4)
         ms = rows or sorted(set(range(1, 41)) | {max8, max8 + 1, max8 + 2, max4, max4 + 1, max4 + 2})
         fns = {}
         for m in ms:
@@ -664,7 +745,7 @@ def cliff_check(shapes, rows, reps: int) -> None:
             fns[("fp8-kernel", m)] = lambda a=a: staged.fp8_linear(a, d8b, s8b, None, 32, 32, max8, fast.PANEL_BYTES)
             fns[("fp4", m)] = lambda x=x: ops.fp4_linear(x, p4, s4)
             fns[("fp4-kernel", m)] = lambda a=a: staged.fp4_linear(a, p4b, s4b, None, max4, fast.PANEL_BYTES)
-        t = timer(fns)
+        t = timer(fns, cold)
         cols = ("fp8", "fp8-kernel", "fp4", "fp4-kernel")
         print(f"\n{n} x {k} (decode up to M = {max8} fp8, {max4} fp4): microseconds per row, and the rise "
               "over the row count before\n")
@@ -718,10 +799,11 @@ def main() -> None:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else (
         SHAPES[:1] if args.quick else SHAPES)
     if args.crossover:
-        crossover(shapes, [int(v) for v in args.rows.split(",")] if args.rows else CROSSOVER_ROWS, args.reps)
+        crossover(shapes, [int(v) for v in args.rows.split(",")] if args.rows else CROSSOVER_ROWS, args.reps,
+                  args.cache)
         return
     if args.cliffs:
-        cliff_check(shapes, [int(v) for v in args.rows.split(",")] if args.rows else None, args.reps)
+        cliff_check(shapes, [int(v) for v in args.rows.split(",")] if args.rows else None, args.reps, args.cache)
         return
     rows = [int(v) for v in args.rows.split(",")] if args.rows else (QUICK_ROWS if args.quick else ROWS)
     if os.environ.get("OMP_NUM_THREADS") != "1":
@@ -731,10 +813,10 @@ def main() -> None:
     runs = []
     for isa in isas:
         if isa == "native" and not args.child:
-            runs.append(bench_isa(isa, libs[isa], shapes, rows, args.reps, not args.no_torchao))
+            runs.append(bench_isa(isa, libs[isa], shapes, rows, args.reps, not args.no_torchao, args.cache))
             continue
         if args.child:  # already capped by the parent
-            print(json.dumps(bench_isa(isa, libs[isa], shapes, rows, args.reps, not args.no_torchao)))
+            print(json.dumps(bench_isa(isa, libs[isa], shapes, rows, args.reps, not args.no_torchao, args.cache)))
             return
         child = [sys.executable, "-m", "benchmarks.ggml_side_by_side", "--child", "--isa", isa, "--reps", str(args.reps),
                  "--cache", str(args.cache), "--shapes", ",".join(f"{n}x{k}" for n, k in shapes),
