@@ -478,9 +478,231 @@ int64_t fp4_groups64(const uint8_t* const* rows, const uint8_t* const* scale_row
   return 2 * groups;
 }
 
+// MXFP4 at M = 1 through exact int16 dot products (the avx2 and avx512
+// levels; AVX-512 BF16 has its own kernels). A qdq'd activation block is
+// e4m3 values times one power of two (docs/contract.md §3), so within a
+// block A * 2**t is usually a vector of integers below 2**15 for one t; e2m1
+// values times 2 are the integers 0, 1, 2, 3, 4, 6, 8, 12 with a sign. One
+// vpshufb turns the nibbles into int8 W * 2, a 16-bit shift or mask puts
+// each byte in the high byte of a word ((W * 2) << 8, sign kept), and
+// vpmaddwd against the int16 A gives int32 sums of two products. Per
+// 32-block a lane sums 8 products, each below 2**15 * 12 * 2**8: the sum is
+// an exact integer, a multiple of 2**8 below 2**31, so it has at most 23
+// significant bits and vcvtdq2ps converts it exactly. The block's value is
+// that sum times 2**(code - 127 - 9 - t) (the 2**8 of the shift, the 2 of
+// the table, the 2**t of A), exact while that factor is a normal float and
+// the product stays finite (then every nonzero lane, at least 2**8, times
+// it is normal too); one multiply-add per block adds it to the fp32
+// accumulator. Each product is formed exactly and each block's partial sum
+// is its exact value, so only the fp32 summation order differs from the
+// reference (docs/contract.md §4).
+// Per 64 elements and weight row: 1 load, 3 nibble ops, 2 vpshufb, 4
+// shifts/masks, 4 vpmaddwd (A as memory operands), 3 adds, 1 conversion,
+// 1 multiply-add and a quarter of the scale work (about 20 against about 31
+// on the float path, fp4_groups64).
+//
+// Fp4IntActivation holds A prepared once per call (prepare_fp4_int): the
+// int16 A in the order the decoder produces, per block -9 - t (the exponent
+// bias of its scale), and the blocks whose A is not such an integer vector
+// (exponents too far apart, subnormal, inf, NaN), which the float path
+// multiplies (their int16 A is zero) in a correction pass over the few
+// 64-groups that hold one.
+struct Fp4IntActivation {
+  // [groups * 64]: register r of group g, 128-bit lane L, word p holds element
+  // 64 g + 32 L + 4 p + {0, 2, 1, 3}[r] times 2**t of its block (zero for
+  // the float blocks).
+  std::vector<int16_t> a;
+  // [chunks * 8], per chunk of 4 groups: the first blocks of its groups, then
+  // their second blocks (the order fp4_groups64_int forms its scales in):
+  // -9 - t; padding, float and all-zero blocks copy another block's value,
+  // so that they never narrow the scale codes a row may have.
+  std::vector<int32_t> bias;
+  std::vector<int32_t> fix;  // the groups with a float block, ascending
+  std::vector<float> rest;   // [fix.size() * 64] their A as fp4_groups64 reads it, zero in the int blocks
+  int64_t groups = 0;
+  int64_t float_blocks = 0;
+};
+
+// Fills p for one activation row a[0, K) (exact bf16 values in fp32); false
+// when no block can take the int path (then p is unused).
+inline bool prepare_fp4_int(const float* a, int64_t K, Fp4IntActivation& p) {
+  const int64_t groups = K / 64, blocks = 2 * groups, chunks = (groups + 3) / 4;
+  if (groups == 0) return false;
+  std::vector<int> t(blocks);
+  std::vector<uint8_t> kind(blocks);  // 0: all zero, 1: int, 2: float
+  int neutral = 0;
+  bool any_int = false;
+  for (int64_t b = 0; b < blocks; ++b) {
+    int emax = -1000, qmin = 1000;
+    bool special = false;
+    for (int64_t k = 32 * b; k < 32 * b + 32; ++k) {
+      const uint32_t bits = bits_from_f32(a[k]) & 0x7FFFFFFFu;
+      if (bits == 0) continue;
+      const int field = int(bits >> 23);
+      special |= field == 0 || field == 255;  // subnormal, inf, NaN
+      const uint32_t mant = (bits & 0x7FFFFFu) | 0x800000u;
+      emax = std::max(emax, field - 127);
+      qmin = std::min(qmin, field - 150 + __builtin_ctz(mant));  // lowest set bit: 2**qmin
+    }
+    if (special) {
+      kind[b] = 2;
+    } else if (emax == -1000) {
+      kind[b] = 0;
+    } else {
+      // a * 2**-qmin is an integer for every element; below 2**15 when the
+      // largest one's exponent is at most 14.
+      t[b] = -qmin;
+      kind[b] = emax + t[b] <= 14 ? 1 : 2;
+      if (kind[b] == 1 && !any_int) neutral = -9 - t[b], any_int = true;
+    }
+  }
+  if (!any_int) return false;
+  p.groups = groups;
+  p.a.assign(groups * 64, 0);
+  p.bias.assign(chunks * 8, neutral);
+  p.fix.clear();
+  p.rest.clear();
+  p.float_blocks = 0;
+  static constexpr int kRegisterOffset[4] = {0, 2, 1, 3};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t g = b / 2, lane = b % 2;
+    if (kind[b] == 2) ++p.float_blocks;
+    if (kind[b] != 1) continue;
+    p.bias[(g / 4) * 8 + lane * 4 + g % 4] = -9 - t[b];
+    const double factor = std::ldexp(1.0, t[b]);  // 2**t may exceed the float range; the products are exact in double
+    for (int r = 0; r < 4; ++r)
+      for (int q = 0; q < 8; ++q)
+        p.a[g * 64 + r * 16 + lane * 8 + q] =
+            static_cast<int16_t>(double(a[64 * g + 32 * lane + 4 * q + kRegisterOffset[r]]) * factor);
+  }
+  for (int64_t g = groups; g < chunks * 4; ++g)  // the partial chunk's padding: as its first block (and code)
+    p.bias[(g / 4) * 8 + (g % 4)] = p.bias[(g / 4) * 8 + 4 + (g % 4)] = p.bias[(g / 4) * 8];
+  for (int64_t g = 0; g < groups; ++g) {
+    if (kind[2 * g] != 2 && kind[2 * g + 1] != 2) continue;
+    p.fix.push_back(int32_t(g));
+    for (int i = 0; i < 8; ++i)
+      for (int l = 0; l < 8; ++l) {
+        const int e = Fp4Format::group64_element(i, l);
+        p.rest.push_back(kind[2 * g + e / 32] == 2 ? a[64 * g + e] : 0.0f);
+      }
+  }
+  return true;
+}
+
+// The scale vector of group GI of a chunk (lanes 0-3: its first block, 4-7:
+// its second) from the chunk's 8 scale fields in Fp4IntActivation::bias order.
+template <int GI>
+inline __m256 fp4_int_scale(__m256i fields_shifted) {
+  return _mm256_castsi256_ps(_mm256_shuffle_epi32(fields_shifted, GI * 0x55));
+}
+
+// One 64-group of NT rows (the step of fp4_groups64_int); GI: its place in the chunk.
+template <int GI, int NT>
+inline void fp4_int_group(const uint8_t* const* rows, const int16_t* a, int64_t g, const __m256i (&sc)[NT],
+                          __m256 (&acc)[1][NT], const uint8_t* ahead) {
+  // W * 2 as int8 for e2m1 codes 0..15 (code 8 is -0)
+  const __m256i lut = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6, 8,
+                                       12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i high = _mm256_set1_epi16(static_cast<short>(0xFF00));
+  for (int c = 0; c < (NT + 1) / 2; ++c)  // the next rows' share for this group (see dot_tile)
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + (g * ((NT + 1) / 2) + c) * 64), _MM_HINT_T0);
+  const __m256i* av = reinterpret_cast<const __m256i*>(a + g * 64);
+  for (int j = 0; j < NT; ++j) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + g * 32));
+    const __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(b, mask));
+    const __m256i wh = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(b, 4), mask));
+    const __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_slli_epi16(wl, 8), _mm256_loadu_si256(av)),
+                                        _mm256_madd_epi16(_mm256_and_si256(wl, high), _mm256_loadu_si256(av + 1)));
+    const __m256i s1 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_slli_epi16(wh, 8), _mm256_loadu_si256(av + 2)),
+                                        _mm256_madd_epi16(_mm256_and_si256(wh, high), _mm256_loadu_si256(av + 3)));
+    acc[0][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), fp4_int_scale<GI>(sc[j]), acc[0][j]);
+  }
+}
+
+// M = 1, NT weight rows: the int path over groups [0, K / 64), then the
+// float path over act.fix. False (acc left to the caller to reset) when a
+// row has a scale code the int path cannot take: a field code - 9 - t out of
+// 1..223 (the factor not a normal float, or a lane sum below 2**31 times it
+// not finite), or a code above 252 (NaN, or weights that overflow, which the
+// reference forms as inf).
+template <int NT>
+bool fp4_groups64_int(const uint8_t* const* rows, const uint8_t* const* scale_rows, const Fp4IntActivation& act,
+                      __m256 (&acc)[1][NT], const uint8_t* ahead) {
+  const int64_t groups = act.groups;
+  const int16_t* a = act.a.data();
+  const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m256i fmin = _mm256_set1_epi32(1), fmax = _mm256_set1_epi32(223);
+  __m128i cmax = _mm_setzero_si128();
+  for (int64_t c = 0; c * 4 < groups; ++c) {
+    const int64_t g0 = 4 * c;
+    const bool whole = g0 + 4 <= groups;
+    const __m256i bias = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act.bias.data() + 8 * c));
+    __m256i sc[NT];
+    for (int j = 0; j < NT; ++j) {
+      __m128i codes;
+      if (whole) {
+        codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale_rows[j] + 8 * c));
+      } else {  // the last, partial chunk: padded with its first code (and bias)
+        alignas(8) uint8_t tmp[8];
+        const int64_t valid = 2 * (groups - g0);
+        for (int i = 0; i < 8; ++i) tmp[i] = scale_rows[j][8 * c + (i < valid ? i : 0)];
+        codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tmp));
+      }
+      cmax = _mm_max_epu8(cmax, codes);
+      const __m256i field = _mm256_add_epi32(_mm256_cvtepu8_epi32(_mm_shuffle_epi8(codes, order)), bias);
+      fmin = _mm256_min_epi32(fmin, field);
+      fmax = _mm256_max_epi32(fmax, field);
+      sc[j] = _mm256_slli_epi32(field, 23);
+    }
+    if (whole) {
+      fp4_int_group<0, NT>(rows, a, g0, sc, acc, ahead);
+      fp4_int_group<1, NT>(rows, a, g0 + 1, sc, acc, ahead);
+      fp4_int_group<2, NT>(rows, a, g0 + 2, sc, acc, ahead);
+      fp4_int_group<3, NT>(rows, a, g0 + 3, sc, acc, ahead);
+    } else {
+      fp4_int_group<0, NT>(rows, a, g0, sc, acc, ahead);
+      if (g0 + 1 < groups) fp4_int_group<1, NT>(rows, a, g0 + 1, sc, acc, ahead);
+      if (g0 + 2 < groups) fp4_int_group<2, NT>(rows, a, g0 + 2, sc, acc, ahead);
+    }
+  }
+  const __m256i out_of_range =
+      _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(1), fmin), _mm256_cmpgt_epi32(fmax, _mm256_set1_epi32(223)));
+  const bool codes_ok = _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_max_epu8(cmax, _mm_set1_epi8(char(252))),
+                                                         _mm_set1_epi8(char(252)))) == 0xFFFF;
+  if (!_mm256_testz_si256(out_of_range, out_of_range) || !codes_ok) return false;
+  const float* rest = act.rest.data();
+  for (size_t f = 0; f < act.fix.size(); ++f) {
+    const int64_t g = act.fix[f];
+    const float* af = rest + 64 * f;
+    for (int j = 0; j < NT; ++j) {
+      __m256 w[8];
+      Fp4Format::decode64_bf16(rows[j] + g * 32, w);
+      const uint8_t* s = scale_rows[j] + 2 * g;
+      const __m256 sv = _mm256_set_m128(_mm_set1_ps(kTables.e8m0[s[1]]), _mm_set1_ps(kTables.e8m0[s[0]]));
+      __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(af), w[0]);
+      __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(af + 8), w[1]);
+      for (int e = 2; e < 8; e += 2) {
+        p0 = _mm256_fmadd_ps(_mm256_loadu_ps(af + 8 * e), w[e], p0);
+        p1 = _mm256_fmadd_ps(_mm256_loadu_ps(af + 8 * e + 8), w[e + 1], p1);
+      }
+      acc[0][j] = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), sv, acc[0][j]);
+    }
+  }
+  return true;
+}
+
+// Decode-path counts of the int path above since load: [M = 1 MXFP4 calls that
+// took it, their float blocks (multiplied by the correction pass), tiles that
+// fell back to fp4_groups64 for a scale code]; tests read them through the
+// fp4_int_counts op.
+std::atomic<int64_t> fp4_int_calls[3];
+
 // Subnormal inputs read as zero (torch.set_flush_denormal(True) sets this).
 inline bool denormals_are_zero() { return (_mm_getcsr() & 0x0040) != 0; }
 #endif
+
+struct Fp4IntActivation;  // the int16 activation of the AVX2 MXFP4 path at M = 1
 
 struct WeightView {
   const uint8_t* data;  // [N, row_bytes(K)]
@@ -498,8 +720,8 @@ struct WeightView {
 // 16-wide chunks; the scalar pass covers the rest (all of it when the
 // block's folded scale would overflow).
 template <class Fmt, class S, int MT, int NT>
-void dot_tile(const WeightView& w, const float* A, const float* a_split, int a_exp, int64_t m0, int64_t n0,
-              float* out, int64_t N) {
+void dot_tile(const WeightView& w, const float* A, const float* a_split, int a_exp, const Fp4IntActivation* fp4_int,
+              int64_t m0, int64_t n0, float* out, int64_t N) {
   const int64_t K = w.K;
   const uint8_t* rows[NT];
   const S* srows[NT];
@@ -534,7 +756,19 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int a_e
       if (a_split != nullptr) {  // the F16C-free whole-block loops, against the permuted A
         const float* a_perm[MT];
         for (int i = 0; i < MT; ++i) a_perm[i] = a_split + (m0 + i) * K;
-        if constexpr (std::is_same_v<Fmt, Fp4Format>) b = fp4_groups64<MT, NT>(rows, srows, a_perm, K, acc, ahead);
+        if constexpr (std::is_same_v<Fmt, Fp4Format>) {
+          bool done = false;
+          if constexpr (MT == 1) {
+            if (fp4_int != nullptr) {
+              done = fp4_groups64_int<NT>(rows, srows, *fp4_int, acc, ahead);
+              if (!done) {  // a scale code out of the int path's range: the float path from the start
+                for (int j = 0; j < NT; ++j) acc[0][j] = _mm256_setzero_ps();
+                fp4_int_calls[2].fetch_add(1, std::memory_order_relaxed);
+              }
+            }
+          }
+          b = done ? 2 * (K / 64) : fp4_groups64<MT, NT>(rows, srows, a_perm, K, acc, ahead);
+        }
         if constexpr (std::is_same_v<Fmt, Fp8Format>) {
           if (!denormals_are_zero()) {  // this thread's MXCSR (a worker's may differ from the caller's)
             if constexpr (MT == 1) {
@@ -627,8 +861,8 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int a_e
 // rows once more, so M = 8 q + r costs q + 1 decodes, never q + 2 or 3 (a
 // tile of 1 or 2 rows after the 8s and 4s was the M = 5 and M = 9 steps).
 template <class Fmt, class S, int NT>
-void rows_tile(const WeightView& w, const float* A, const float* a_split, int a_exp, int64_t M, int64_t n,
-               float* out, int64_t N) {
+void rows_tile(const WeightView& w, const float* A, const float* a_split, int a_exp, const Fp4IntActivation* fp4_int,
+               int64_t M, int64_t n, float* out, int64_t N) {
   constexpr int kMaxMT = NT == 4 ? 3 : 8;
   const int64_t tiles = (M + kMaxMT - 1) / kMaxMT;
   int64_t m0 = 0;
@@ -638,7 +872,7 @@ void rows_tile(const WeightView& w, const float* A, const float* a_split, int a_
 #define TORCH_BQ_ROWS(R)                                       \
   case R:                                                      \
     if constexpr (R <= kMaxMT) {                               \
-      dot_tile<Fmt, S, R, NT>(w, A, a_split, a_exp, m0, n, out, N); \
+      dot_tile<Fmt, S, R, NT>(w, A, a_split, a_exp, fp4_int, m0, n, out, N); \
     }                                                          \
     break;
       TORCH_BQ_ROWS(1) TORCH_BQ_ROWS(2) TORCH_BQ_ROWS(3) TORCH_BQ_ROWS(4)
@@ -651,13 +885,13 @@ void rows_tile(const WeightView& w, const float* A, const float* a_split, int a_
 }
 
 template <class Fmt, class S>
-void decode_rows(const WeightView& w, const float* A, const float* a_split, int a_exp, int64_t M,
-                 int64_t n_begin, int64_t n_end, float* out, int64_t N) {
+void decode_rows(const WeightView& w, const float* A, const float* a_split, int a_exp,
+                 const Fp4IntActivation* fp4_int, int64_t M, int64_t n_begin, int64_t n_end, float* out, int64_t N) {
   int64_t n = n_begin;
   if (M <= 3) {  // decode-bound: share each A load across four weight rows
-    for (; n + 4 <= n_end; n += 4) rows_tile<Fmt, S, 4>(w, A, a_split, a_exp, M, n, out, N);
+    for (; n + 4 <= n_end; n += 4) rows_tile<Fmt, S, 4>(w, A, a_split, a_exp, fp4_int, M, n, out, N);
   }
-  for (; n < n_end; ++n) rows_tile<Fmt, S, 1>(w, A, a_split, a_exp, M, n, out, N);
+  for (; n < n_end; ++n) rows_tile<Fmt, S, 1>(w, A, a_split, a_exp, fp4_int, M, n, out, N);
 }
 
 #if defined(TORCH_BQ_AVX2)
@@ -1542,8 +1776,20 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
   }
 #endif
   const float* a_split = split.empty() ? nullptr : split.data();
+  const Fp4IntActivation* fp4_int = nullptr;
+#if defined(TORCH_BQ_AVX2)
+  Fp4IntActivation int_a;
+  if constexpr (std::is_same_v<Fmt, Fp4Format> && std::is_same_v<S, uint8_t>) {
+    if (M == 1 && prepare_fp4_int(A, w.K, int_a)) {
+      fp4_int = &int_a;
+      fp4_int_calls[0].fetch_add(1, std::memory_order_relaxed);
+      fp4_int_calls[1].fetch_add(int_a.float_blocks, std::memory_order_relaxed);
+    }
+  }
+#endif
   run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
-    decode_rows<Fmt, S>(w, A, a_split, a_exp, M, t * kRowsPerTask, std::min(N, (t + 1) * kRowsPerTask), out, N);
+    decode_rows<Fmt, S>(w, A, a_split, a_exp, fp4_int, M, t * kRowsPerTask, std::min(N, (t + 1) * kRowsPerTask), out,
+                        N);
   });
 }
 
@@ -3213,6 +3459,14 @@ std::vector<int64_t> prefill_counts() {
   return {prefill_tiles[0].load(), prefill_tiles[1].load(), prefill_tiles[2].load()};
 }
 
+std::vector<int64_t> fp4_int_counts() {
+#if defined(TORCH_BQ_AVX2)
+  return {fp4_int_calls[0].load(), fp4_int_calls[1].load(), fp4_int_calls[2].load()};
+#else
+  return {};
+#endif
+}
+
 std::vector<int64_t> decode_counts() { return {dot_decode_calls[0].load(), dot_decode_calls[1].load()}; }
 
 // The fewest rows the AVX-512 BF16 decode runs on its folded tiles, [fp8, fp4]
@@ -3297,6 +3551,7 @@ TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
   m.def("vectorized() -> bool", &torch_bq_cpu::vectorized);
   m.def("prefill_counts() -> int[]", &torch_bq_cpu::prefill_counts);
   m.def("decode_counts() -> int[]", &torch_bq_cpu::decode_counts);
+  m.def("fp4_int_counts() -> int[]", &torch_bq_cpu::fp4_int_counts);
   m.def("decode_fold_rows() -> int[]", &torch_bq_cpu::decode_fold_rows);
   m.def("prefill_task_rows() -> int", &torch_bq_cpu::prefill_task_rows);
   m.def("decode_isa() -> str", &torch_bq_cpu::decode_isa);
