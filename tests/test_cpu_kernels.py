@@ -10,6 +10,7 @@ place. Linear results are checked against float64 with the bound of
 in any order plus one output rounding); qdq is bit-exact.
 """
 
+import math
 import os
 import shutil
 import warnings
@@ -880,10 +881,10 @@ def every_nibble(n, k):
 
 @pytest.mark.parametrize("level", INT_LEVELS)
 @pytest.mark.parametrize("k", [512, 416, 97 + 256])
-@pytest.mark.parametrize("value", [1.0, -1.5 * 2.0**-20, 1.75 * 2.0**40, 2.0**-126])
+@pytest.mark.parametrize("value", [1.0, -1.5 * 2.0**-20, 1.75 * 2.0**40, 2.0**-113])
 def test_fp4_int_path_one_hot_is_exact(level, k, value):
-    """M = 1 through the int path: a one-hot activation (a single nonzero, so t = its lowest set
-    bit) picks one weight column, every nibble at every position of the 64-groups (two 4-group
+    """M = 1 through the int path: a one-hot activation (a single nonzero: t = 14 - its exponent)
+    picks one weight column, every nibble at every position of the 64-groups (two 4-group
     scale chunks, a partial chunk at K = 416, a partial group, block and the padding nibble at
     K = 353) under scale codes that keep the int path's factor 2**(code - 136 - t) normal; compared
     exactly with value * the dequantized weight. Calls whose nonzero lies past the last whole group
@@ -891,8 +892,8 @@ def test_fp4_int_path_one_hot_is_exact(level, k, value):
     n = 21  # five 4-row tiles and a single-row tile
     packed = every_nibble(n, k)
     g = torch.Generator().manual_seed(k)
-    t = {1.0: 0, -1.5 * 2.0**-20: 21, 1.75 * 2.0**40: -38, 2.0**-126: 126}[value]
-    low, high = 10 + t, 220 + t  # field = code - 9 - t in 1..211
+    t = 14 - math.frexp(abs(value))[1] + 1  # the int path's shift: the value times 2**t in [2**14, 2**15)
+    low, high = 10 + t, 220 + t  # field = code - 9 - t in 1..211 (2**-113: t = 127, the largest)
     scale = torch.randint(max(low, 0), min(high, 253), (n, -(-k // 32)), generator=g, dtype=torch.uint8)
     w = formats.dequantize_fp4(packed, scale, k, torch.float32)
     expected = (w * value).t()

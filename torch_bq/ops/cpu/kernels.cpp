@@ -506,7 +506,9 @@ int64_t fp4_groups64(const uint8_t* const* rows, const uint8_t* const* scale_row
 // bias of its scale), and the blocks whose A is not such an integer vector
 // (exponents too far apart, subnormal, inf, NaN), which the float path
 // multiplies (their int16 A is zero) in a correction pass over the few
-// 64-groups that hold one.
+// 64-groups that hold one. t = 14 - (the block's largest exponent): every
+// block of a qdq'd activation whose nonzero values lie within 2**11 of its
+// largest is an int block (e4m3 values carry 4 significant bits).
 struct Fp4IntActivation {
   // [groups * 64]: register r of group g, 128-bit lane L, word p holds element
   // 64 g + 32 L + 4 p + {0, 2, 1, 3}[r] times 2**t of its block (zero for
@@ -521,6 +523,11 @@ struct Fp4IntActivation {
   std::vector<float> rest;   // [fix.size() * 64] their A as fp4_groups64 reads it, zero in the int blocks
   int64_t groups = 0;
   int64_t float_blocks = 0;
+  // The scale codes a row may have for the int path: code + bias in 1..223
+  // for every bias (the factor 2**(code + bias - 127) normal, and a lane sum
+  // below 2**31 times it finite), code at most 252 (255 is NaN; 253 and 254
+  // give weights the reference forms as inf).
+  int lowest_code = 0, highest_code = 0;
 };
 
 // Fills p for one activation row a[0, K) (exact bf16 values in fp32); false
@@ -530,33 +537,38 @@ inline bool prepare_fp4_int(const float* a, int64_t K, Fp4IntActivation& p) {
   if (groups == 0) return false;
   std::vector<int> t(blocks);
   std::vector<uint8_t> kind(blocks);  // 0: all zero, 1: int, 2: float
-  int neutral = 0;
-  bool any_int = false;
+  alignas(32) float scaled[32];
+  int bias_min = 1 << 20, bias_max = -(1 << 20);
   for (int64_t b = 0; b < blocks; ++b) {
-    int emax = -1000, qmin = 1000;
-    bool special = false;
-    for (int64_t k = 32 * b; k < 32 * b + 32; ++k) {
-      const uint32_t bits = bits_from_f32(a[k]) & 0x7FFFFFFFu;
-      if (bits == 0) continue;
-      const int field = int(bits >> 23);
-      special |= field == 0 || field == 255;  // subnormal, inf, NaN
-      const uint32_t mant = (bits & 0x7FFFFFu) | 0x800000u;
-      emax = std::max(emax, field - 127);
-      qmin = std::min(qmin, field - 150 + __builtin_ctz(mant));  // lowest set bit: 2**qmin
-    }
-    if (special) {
-      kind[b] = 2;
-    } else if (emax == -1000) {
+    const float* x = a + 32 * b;
+    uint32_t top = 0;  // the largest magnitude's bits (loops without branches: the compiler vectorizes them)
+    for (int i = 0; i < 32; ++i) top = std::max(top, bits_from_f32(x[i]) & 0x7FFFFFFFu);
+    kind[b] = 2;
+    if (top == 0) {
       kind[b] = 0;
-    } else {
-      // a * 2**-qmin is an integer for every element; below 2**15 when the
-      // largest one's exponent is at most 14.
-      t[b] = -qmin;
-      kind[b] = emax + t[b] <= 14 ? 1 : 2;
-      if (kind[b] == 1 && !any_int) neutral = -9 - t[b], any_int = true;
+      continue;
     }
+    const int emax = int(top >> 23) - 127;  // 128: inf or NaN
+    // t = 14 - emax makes the largest |a| * 2**t at least 2**14, below 2**15;
+    // 2**t must be a normal float (blocks below 2**-113 stay float).
+    if (emax > 127 || emax < -113) continue;
+    t[b] = 14 - emax;
+    const float factor = f32_from_bits(uint32_t(127 + t[b]) << 23);
+    uint32_t fraction = 0;  // nonzero when some a * 2**t is not an integer (subnormals never are)
+    for (int i = 0; i < 32; ++i) {
+      scaled[i] = x[i] * factor;  // exact: a power of two, the result normal or 0
+      fraction |= uint32_t(scaled[i] != float(int32_t(scaled[i])));
+    }
+    if (fraction != 0) continue;
+    kind[b] = 1;
+    bias_min = std::min(bias_min, -9 - t[b]);
+    bias_max = std::max(bias_max, -9 - t[b]);
   }
-  if (!any_int) return false;
+  if (bias_min > bias_max) return false;  // no int block
+  p.lowest_code = std::max(0, 1 - bias_min);
+  p.highest_code = std::min(252, 223 - bias_max);
+  if (p.lowest_code > p.highest_code) return false;
+  const int neutral = bias_min;
   p.groups = groups;
   p.a.assign(groups * 64, 0);
   p.bias.assign(chunks * 8, neutral);
@@ -569,11 +581,11 @@ inline bool prepare_fp4_int(const float* a, int64_t K, Fp4IntActivation& p) {
     if (kind[b] == 2) ++p.float_blocks;
     if (kind[b] != 1) continue;
     p.bias[(g / 4) * 8 + lane * 4 + g % 4] = -9 - t[b];
-    const double factor = std::ldexp(1.0, t[b]);  // 2**t may exceed the float range; the products are exact in double
+    const float factor = f32_from_bits(uint32_t(127 + t[b]) << 23);
     for (int r = 0; r < 4; ++r)
       for (int q = 0; q < 8; ++q)
         p.a[g * 64 + r * 16 + lane * 8 + q] =
-            static_cast<int16_t>(double(a[64 * g + 32 * lane + 4 * q + kRegisterOffset[r]]) * factor);
+            static_cast<int16_t>(a[64 * g + 32 * lane + 4 * q + kRegisterOffset[r]] * factor);
   }
   for (int64_t g = groups; g < chunks * 4; ++g)  // the partial chunk's padding: as its first block (and code)
     p.bias[(g / 4) * 8 + (g % 4)] = p.bias[(g / 4) * 8 + 4 + (g % 4)] = p.bias[(g / 4) * 8];
@@ -621,19 +633,41 @@ inline void fp4_int_group(const uint8_t* const* rows, const int16_t* a, int64_t 
 }
 
 // M = 1, NT weight rows: the int path over groups [0, K / 64), then the
-// float path over act.fix. False (acc left to the caller to reset) when a
-// row has a scale code the int path cannot take: a field code - 9 - t out of
-// 1..223 (the factor not a normal float, or a lane sum below 2**31 times it
-// not finite), or a code above 252 (NaN, or weights that overflow, which the
-// reference forms as inf).
+// float path over act.fix. False (acc untouched) when a row has a scale code
+// outside [act.lowest_code, act.highest_code] among those blocks: the
+// caller's float path takes such tiles.
 template <int NT>
 bool fp4_groups64_int(const uint8_t* const* rows, const uint8_t* const* scale_rows, const Fp4IntActivation& act,
                       __m256 (&acc)[1][NT], const uint8_t* ahead) {
   const int64_t groups = act.groups;
   const int16_t* a = act.a.data();
   const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m256i fmin = _mm256_set1_epi32(1), fmax = _mm256_set1_epi32(223);
-  __m128i cmax = _mm_setzero_si128();
+  // The range check, once per row before its blocks are multiplied (in the
+  // loop it cost about 4% of the time): every code within [lowest, highest].
+  const int64_t blocks = 2 * groups;
+  {
+    __m128i lo = _mm_set1_epi8(char(255)), hi = _mm_setzero_si128();
+    for (int j = 0; j < NT; ++j) {
+      const uint8_t* codes = scale_rows[j];
+      if (blocks >= 16) {  // 16 codes at a time, the last 16 overlapping
+        for (int64_t b = 0;; b += 16) {
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + std::min(b, blocks - 16)));
+          lo = _mm_min_epu8(lo, v);
+          hi = _mm_max_epu8(hi, v);
+          if (b + 16 >= blocks) break;
+        }
+      } else {
+        for (int64_t b = 0; b < blocks; ++b) {
+          lo = _mm_min_epu8(lo, _mm_set1_epi8(char(codes[b])));
+          hi = _mm_max_epu8(hi, _mm_set1_epi8(char(codes[b])));
+        }
+      }
+    }
+    // every byte of lo at least lowest_code, of hi at most highest_code
+    const __m128i below = _mm_cmpeq_epi8(_mm_max_epu8(lo, _mm_set1_epi8(char(act.lowest_code))), lo);
+    const __m128i above = _mm_cmpeq_epi8(_mm_min_epu8(hi, _mm_set1_epi8(char(act.highest_code))), hi);
+    if (_mm_movemask_epi8(_mm_and_si128(below, above)) != 0xFFFF) return false;
+  }
   for (int64_t c = 0; c * 4 < groups; ++c) {
     const int64_t g0 = 4 * c;
     const bool whole = g0 + 4 <= groups;
@@ -649,10 +683,7 @@ bool fp4_groups64_int(const uint8_t* const* rows, const uint8_t* const* scale_ro
         for (int i = 0; i < 8; ++i) tmp[i] = scale_rows[j][8 * c + (i < valid ? i : 0)];
         codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tmp));
       }
-      cmax = _mm_max_epu8(cmax, codes);
       const __m256i field = _mm256_add_epi32(_mm256_cvtepu8_epi32(_mm_shuffle_epi8(codes, order)), bias);
-      fmin = _mm256_min_epi32(fmin, field);
-      fmax = _mm256_max_epi32(fmax, field);
       sc[j] = _mm256_slli_epi32(field, 23);
     }
     if (whole) {
@@ -666,11 +697,6 @@ bool fp4_groups64_int(const uint8_t* const* rows, const uint8_t* const* scale_ro
       if (g0 + 2 < groups) fp4_int_group<2, NT>(rows, a, g0 + 2, sc, acc, ahead);
     }
   }
-  const __m256i out_of_range =
-      _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(1), fmin), _mm256_cmpgt_epi32(fmax, _mm256_set1_epi32(223)));
-  const bool codes_ok = _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_max_epu8(cmax, _mm_set1_epi8(char(252))),
-                                                         _mm_set1_epi8(char(252)))) == 0xFFFF;
-  if (!_mm256_testz_si256(out_of_range, out_of_range) || !codes_ok) return false;
   const float* rest = act.rest.data();
   for (size_t f = 0; f < act.fix.size(); ++f) {
     const int64_t g = act.fix[f];
@@ -761,10 +787,7 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int a_e
           if constexpr (MT == 1) {
             if (fp4_int != nullptr) {
               done = fp4_groups64_int<NT>(rows, srows, *fp4_int, acc, ahead);
-              if (!done) {  // a scale code out of the int path's range: the float path from the start
-                for (int j = 0; j < NT; ++j) acc[0][j] = _mm256_setzero_ps();
-                fp4_int_calls[2].fetch_add(1, std::memory_order_relaxed);
-              }
+              if (!done) fp4_int_calls[2].fetch_add(1, std::memory_order_relaxed);  // a scale code out of its range
             }
           }
           b = done ? 2 * (K / 64) : fp4_groups64<MT, NT>(rows, srows, a_perm, K, acc, ahead);
