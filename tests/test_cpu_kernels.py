@@ -880,15 +880,17 @@ def every_nibble(n, k):
 
 
 @pytest.mark.parametrize("level", INT_LEVELS)
-@pytest.mark.parametrize("k", [512, 416, 97 + 256])
+@pytest.mark.parametrize("k", [512, 416, 480, 97 + 256])
 @pytest.mark.parametrize("value", [1.0, -1.5 * 2.0**-20, 1.75 * 2.0**40, 2.0**-113])
 def test_fp4_int_path_one_hot_is_exact(level, k, value):
     """M = 1 through the int path: a one-hot activation (a single nonzero: t = 14 - its exponent)
     picks one weight column, every nibble at every position of the 64-groups (two 4-group
-    scale chunks, a partial chunk at K = 416, a partial group, block and the padding nibble at
-    K = 353) under scale codes that keep the int path's factor 2**(code - 136 - t) normal; compared
-    exactly with value * the dequantized weight. Calls whose nonzero lies past the last whole group
-    have no int block and must not take the path; no tile may fall back."""
+    scale chunks; partial chunks of 2, 3 and 1 groups at K = 416, 480 (and a trailing block)
+    and 353 (and a partial block and the padding nibble)) under scale codes that keep the int
+    path's factor 2**(code - 136 - t) normal; compared exactly with value * the dequantized
+    weight. Calls whose nonzero lies past the last whole group have no int block and must not
+    take the path; no tile may fall back. (Fails when the decoder's table, its element order,
+    the scale's exponent bias, t's bound or the handling of a partial chunk is off: tried.)"""
     n = 21  # five 4-row tiles and a single-row tile
     packed = every_nibble(n, k)
     g = torch.Generator().manual_seed(k)
@@ -909,7 +911,7 @@ def test_fp4_int_path_one_hot_is_exact(level, k, value):
 
 
 @pytest.mark.parametrize("level", INT_LEVELS)
-@pytest.mark.parametrize("k", [64 * 9, 64 * 9 + 32, 64 * 9 + 37])
+@pytest.mark.parametrize("k", [64 * 9, 64 * 9 + 32, 64 * 11 + 37])
 @pytest.mark.parametrize("codes", ["ordinary", "tiny", "huge", "nan"])
 def test_fp4_int_path_falls_back_per_block_and_per_tile(level, k, codes):
     """M = 1 with activation blocks the int path cannot take (exponents 2**22 or 2**23 apart: no
@@ -917,7 +919,8 @@ def test_fp4_int_path_falls_back_per_block_and_per_tile(level, k, codes):
     range and at a negative t, and ordinary ones. Each float block is counted and multiplied by
     the correction pass. Rows whose scale codes put the int path's factor out of range (codes
     3 with t = 6: below the normal range; 248 with t = 6: past 2**96; code 255: NaN) fall
-    back to the float path as whole tiles. Compared with the exact result within the fp32 bound."""
+    back to the float path as whole tiles. Compared with the exact result within the fp32 bound.
+    (Fails without the correction pass, the row range check or the integrality check: tried.)"""
     n = 13
     g = torch.Generator().manual_seed(k + len(codes))
     packed = torch.randint(0, 256, (n, (k + 1) // 2), generator=g, dtype=torch.uint8)
