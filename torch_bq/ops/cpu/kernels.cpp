@@ -73,6 +73,9 @@
 //        remainders only). Whole 64-groups avoid F16C (the M = 1 limit):
 //        two vpshufb give both bytes of the bf16 encoding, and a bf16 word
 //        is an fp32 after one shift or mask (Fp4Format::decode64_bf16).
+//        At M <= 2 (kFp4IntMaxM) whole 64-groups take exact int16 dot
+//        products instead: vpshufb gives W * 2 as int8, vpmaddwd multiplies
+//        it with A * 2**t held as int16 per block (fp4_groups64_int).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -478,7 +481,7 @@ int64_t fp4_groups64(const uint8_t* const* rows, const uint8_t* const* scale_row
   return 2 * groups;
 }
 
-// MXFP4 at M = 1 through exact int16 dot products (the avx2 and avx512
+// MXFP4 at M = 1 and 2 through exact int16 dot products (the avx2 and avx512
 // levels; AVX-512 BF16 has its own kernels). A qdq'd activation block is
 // e4m3 values times one power of two (docs/contract.md §3), so within a
 // block A * 2**t is usually a vector of integers below 2**15 for one t; e2m1
@@ -496,12 +499,16 @@ int64_t fp4_groups64(const uint8_t* const* rows, const uint8_t* const* scale_row
 // accumulator. Each product is formed exactly and each block's partial sum
 // is its exact value, so only the fp32 summation order differs from the
 // reference (docs/contract.md §4).
-// Per 64 elements and weight row: 1 load, 3 nibble ops, 2 vpshufb, 4
-// shifts/masks, 4 vpmaddwd (A as memory operands), 3 adds, 1 conversion,
-// 1 multiply-add and a quarter of the scale work (about 20 against about 31
-// on the float path, fp4_groups64).
+// Per 64 elements and weight row at M = 1: 1 load, 3 nibble ops, 2 vpshufb,
+// 4 shifts/masks, 4 vpmaddwd (A as memory operands), 3 adds, 1 conversion,
+// 1 shuffle for the scale, 1 multiply-add and a quarter of the scale work
+// (about 21 against about 31 on the float path, fp4_groups64). Measured on a
+// Zen 5 at the avx2 level, cold weights, 1 thread: 0.69-0.75 of the float
+// path's time at M = 1 (4096 x 4096: 479 against 655 us), 0.81-0.83 at
+// M = 2 (kFp4IntMaxM). The time follows the instruction count (no single
+// port limits it: with the vpmaddwd replaced by adds it ran as fast).
 //
-// Fp4IntActivation holds A prepared once per call (prepare_fp4_int): the
+// Fp4IntActivation holds an A row prepared once per call (prepare_fp4_int): the
 // int16 A in the order the decoder produces, per block -9 - t (the exponent
 // bias of its scale), and the blocks whose A is not such an integer vector
 // (exponents too far apart, subnormal, inf, NaN), which the float path
@@ -608,10 +615,12 @@ inline __m256 fp4_int_scale(__m256i fields_shifted) {
   return _mm256_castsi256_ps(_mm256_shuffle_epi32(fields_shifted, GI * 0x55));
 }
 
-// One 64-group of NT rows (the step of fp4_groups64_int); GI: its place in the chunk.
-template <int GI, int NT>
-inline void fp4_int_group(const uint8_t* const* rows, const int16_t* a, int64_t g, const __m256i (&sc)[NT],
-                          __m256 (&acc)[1][NT], const uint8_t* ahead) {
+// One 64-group of NT weight rows x MT activation rows (the step of
+// fp4_groups64_int); GI: its place in the chunk. Each weight row is decoded
+// once for all MT rows.
+template <int GI, int MT, int NT>
+inline void fp4_int_group(const uint8_t* const* rows, const int16_t* const* a, int64_t g,
+                          const __m256i (&sc)[MT][NT], __m256 (&acc)[MT][NT], const uint8_t* ahead) {
   // W * 2 as int8 for e2m1 codes 0..15 (code 8 is -0)
   const __m256i lut = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6, 8,
                                        12, 0, -1, -2, -3, -4, -6, -8, -12);
@@ -619,28 +628,35 @@ inline void fp4_int_group(const uint8_t* const* rows, const int16_t* a, int64_t 
   const __m256i high = _mm256_set1_epi16(static_cast<short>(0xFF00));
   for (int c = 0; c < (NT + 1) / 2; ++c)  // the next rows' share for this group (see dot_tile)
     _mm_prefetch(reinterpret_cast<const char*>(ahead + (g * ((NT + 1) / 2) + c) * 64), _MM_HINT_T0);
-  const __m256i* av = reinterpret_cast<const __m256i*>(a + g * 64);
   for (int j = 0; j < NT; ++j) {
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + g * 32));
     const __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(b, mask));
     const __m256i wh = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(b, 4), mask));
-    const __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_slli_epi16(wl, 8), _mm256_loadu_si256(av)),
-                                        _mm256_madd_epi16(_mm256_and_si256(wl, high), _mm256_loadu_si256(av + 1)));
-    const __m256i s1 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_slli_epi16(wh, 8), _mm256_loadu_si256(av + 2)),
-                                        _mm256_madd_epi16(_mm256_and_si256(wh, high), _mm256_loadu_si256(av + 3)));
-    acc[0][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), fp4_int_scale<GI>(sc[j]), acc[0][j]);
+    const __m256i u[4] = {_mm256_slli_epi16(wl, 8), _mm256_and_si256(wl, high), _mm256_slli_epi16(wh, 8),
+                          _mm256_and_si256(wh, high)};
+    for (int i = 0; i < MT; ++i) {
+      const __m256i* av = reinterpret_cast<const __m256i*>(a[i] + g * 64);
+      const __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(u[0], _mm256_loadu_si256(av)),
+                                          _mm256_madd_epi16(u[1], _mm256_loadu_si256(av + 1)));
+      const __m256i s1 = _mm256_add_epi32(_mm256_madd_epi16(u[2], _mm256_loadu_si256(av + 2)),
+                                          _mm256_madd_epi16(u[3], _mm256_loadu_si256(av + 3)));
+      acc[i][j] =
+          _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), fp4_int_scale<GI>(sc[i][j]), acc[i][j]);
+    }
   }
 }
 
-// M = 1, NT weight rows: the int path over groups [0, K / 64), then the
-// float path over act.fix. False (acc untouched) when a row has a scale code
-// outside [act.lowest_code, act.highest_code] among those blocks: the
-// caller's float path takes such tiles.
-template <int NT>
-bool fp4_groups64_int(const uint8_t* const* rows, const uint8_t* const* scale_rows, const Fp4IntActivation& act,
-                      __m256 (&acc)[1][NT], const uint8_t* ahead) {
-  const int64_t groups = act.groups;
-  const int16_t* a = act.a.data();
+// MT activation rows (act[0, MT)) x NT weight rows: the int path over groups
+// [0, K / 64), then the float path over each row's fix list. False (acc
+// untouched) when a weight row has a scale code outside some activation
+// row's [lowest_code, highest_code] among those blocks: the caller's float
+// path takes such tiles.
+template <int MT, int NT>
+bool fp4_groups64_int(const uint8_t* const* rows, const uint8_t* const* scale_rows, const Fp4IntActivation* act,
+                      __m256 (&acc)[MT][NT], const uint8_t* ahead) {
+  const int64_t groups = act[0].groups;
+  const int16_t* a[MT];
+  for (int i = 0; i < MT; ++i) a[i] = act[i].a.data();
   const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   // The range check, once per row before its blocks are multiplied (in the
   // loop it cost about 4% of the time): every code within [lowest, highest].
@@ -663,16 +679,19 @@ bool fp4_groups64_int(const uint8_t* const* rows, const uint8_t* const* scale_ro
         }
       }
     }
-    // every byte of lo at least lowest_code, of hi at most highest_code
-    const __m128i below = _mm_cmpeq_epi8(_mm_max_epu8(lo, _mm_set1_epi8(char(act.lowest_code))), lo);
-    const __m128i above = _mm_cmpeq_epi8(_mm_min_epu8(hi, _mm_set1_epi8(char(act.highest_code))), hi);
-    if (_mm_movemask_epi8(_mm_and_si128(below, above)) != 0xFFFF) return false;
+    // every byte of lo at least each lowest_code, of hi at most each highest_code
+    __m128i fits = _mm_set1_epi8(-1);
+    for (int i = 0; i < MT; ++i) {
+      const __m128i below = _mm_cmpeq_epi8(_mm_max_epu8(lo, _mm_set1_epi8(char(act[i].lowest_code))), lo);
+      const __m128i above = _mm_cmpeq_epi8(_mm_min_epu8(hi, _mm_set1_epi8(char(act[i].highest_code))), hi);
+      fits = _mm_and_si128(fits, _mm_and_si128(below, above));
+    }
+    if (_mm_movemask_epi8(fits) != 0xFFFF) return false;
   }
   for (int64_t c = 0; c * 4 < groups; ++c) {
     const int64_t g0 = 4 * c;
     const bool whole = g0 + 4 <= groups;
-    const __m256i bias = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act.bias.data() + 8 * c));
-    __m256i sc[NT];
+    __m256i sc[MT][NT];
     for (int j = 0; j < NT; ++j) {
       __m128i codes;
       if (whole) {
@@ -683,42 +702,57 @@ bool fp4_groups64_int(const uint8_t* const* rows, const uint8_t* const* scale_ro
         for (int i = 0; i < 8; ++i) tmp[i] = scale_rows[j][8 * c + (i < valid ? i : 0)];
         codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tmp));
       }
-      const __m256i field = _mm256_add_epi32(_mm256_cvtepu8_epi32(_mm_shuffle_epi8(codes, order)), bias);
-      sc[j] = _mm256_slli_epi32(field, 23);
+      const __m256i code32 = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(codes, order));
+      for (int i = 0; i < MT; ++i) {
+        const __m256i bias = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act[i].bias.data() + 8 * c));
+        sc[i][j] = _mm256_slli_epi32(_mm256_add_epi32(code32, bias), 23);
+      }
     }
     if (whole) {
-      fp4_int_group<0, NT>(rows, a, g0, sc, acc, ahead);
-      fp4_int_group<1, NT>(rows, a, g0 + 1, sc, acc, ahead);
-      fp4_int_group<2, NT>(rows, a, g0 + 2, sc, acc, ahead);
-      fp4_int_group<3, NT>(rows, a, g0 + 3, sc, acc, ahead);
+      fp4_int_group<0, MT, NT>(rows, a, g0, sc, acc, ahead);
+      fp4_int_group<1, MT, NT>(rows, a, g0 + 1, sc, acc, ahead);
+      fp4_int_group<2, MT, NT>(rows, a, g0 + 2, sc, acc, ahead);
+      fp4_int_group<3, MT, NT>(rows, a, g0 + 3, sc, acc, ahead);
     } else {
-      fp4_int_group<0, NT>(rows, a, g0, sc, acc, ahead);
-      if (g0 + 1 < groups) fp4_int_group<1, NT>(rows, a, g0 + 1, sc, acc, ahead);
-      if (g0 + 2 < groups) fp4_int_group<2, NT>(rows, a, g0 + 2, sc, acc, ahead);
+      fp4_int_group<0, MT, NT>(rows, a, g0, sc, acc, ahead);
+      if (g0 + 1 < groups) fp4_int_group<1, MT, NT>(rows, a, g0 + 1, sc, acc, ahead);
+      if (g0 + 2 < groups) fp4_int_group<2, MT, NT>(rows, a, g0 + 2, sc, acc, ahead);
     }
   }
-  const float* rest = act.rest.data();
-  for (size_t f = 0; f < act.fix.size(); ++f) {
-    const int64_t g = act.fix[f];
-    const float* af = rest + 64 * f;
-    for (int j = 0; j < NT; ++j) {
-      __m256 w[8];
-      Fp4Format::decode64_bf16(rows[j] + g * 32, w);
-      const uint8_t* s = scale_rows[j] + 2 * g;
-      const __m256 sv = _mm256_set_m128(_mm_set1_ps(kTables.e8m0[s[1]]), _mm_set1_ps(kTables.e8m0[s[0]]));
-      __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(af), w[0]);
-      __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(af + 8), w[1]);
-      for (int e = 2; e < 8; e += 2) {
-        p0 = _mm256_fmadd_ps(_mm256_loadu_ps(af + 8 * e), w[e], p0);
-        p1 = _mm256_fmadd_ps(_mm256_loadu_ps(af + 8 * e + 8), w[e + 1], p1);
+  for (int i = 0; i < MT; ++i) {
+    const float* rest = act[i].rest.data();
+    for (size_t f = 0; f < act[i].fix.size(); ++f) {
+      const int64_t g = act[i].fix[f];
+      const float* af = rest + 64 * f;
+      for (int j = 0; j < NT; ++j) {
+        __m256 w[8];
+        Fp4Format::decode64_bf16(rows[j] + g * 32, w);
+        const uint8_t* s = scale_rows[j] + 2 * g;
+        const __m256 sv = _mm256_set_m128(_mm_set1_ps(kTables.e8m0[s[1]]), _mm_set1_ps(kTables.e8m0[s[0]]));
+        __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(af), w[0]);
+        __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(af + 8), w[1]);
+        for (int e = 2; e < 8; e += 2) {
+          p0 = _mm256_fmadd_ps(_mm256_loadu_ps(af + 8 * e), w[e], p0);
+          p1 = _mm256_fmadd_ps(_mm256_loadu_ps(af + 8 * e + 8), w[e + 1], p1);
+        }
+        acc[i][j] = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), sv, acc[i][j]);
       }
-      acc[0][j] = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), sv, acc[0][j]);
     }
   }
   return true;
 }
 
-// Decode-path counts of the int path above since load: [M = 1 MXFP4 calls that
+// The most activation rows the int path takes. Per activation row it costs
+// 4 vpmaddwd, 3 adds, a conversion, a shuffle and a multiply-add against the
+// float path's 8 multiplies / multiply-adds, an add and a multiply-add: it
+// gains on the decode, which a tile shares among its rows. Measured on a
+// Zen 5 (avx2 level, 4-row tiles, cold weights, 4096 x 4096, 2880 x 2880,
+// 14336 x 4096): time over the float path's 0.69-0.73 at M = 1, 0.81-0.83 at
+// M = 2, 1.02-1.08 at M = 3 (its 3 x 4 accumulators and scales no longer
+// fit the 16 registers).
+constexpr int kFp4IntMaxM = 2;
+
+// Decode-path counts of the int path above since load: [MXFP4 calls that
 // took it, their float blocks (multiplied by the correction pass), tiles that
 // fell back to fp4_groups64 for a scale code]; tests read them through the
 // fp4_int_counts op.
@@ -728,7 +762,7 @@ std::atomic<int64_t> fp4_int_calls[3];
 inline bool denormals_are_zero() { return (_mm_getcsr() & 0x0040) != 0; }
 #endif
 
-struct Fp4IntActivation;  // the int16 activation of the AVX2 MXFP4 path at M = 1
+struct Fp4IntActivation;  // one row's int16 activation for the AVX2 MXFP4 path at M <= 2
 
 struct WeightView {
   const uint8_t* data;  // [N, row_bytes(K)]
@@ -784,9 +818,9 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int a_e
         for (int i = 0; i < MT; ++i) a_perm[i] = a_split + (m0 + i) * K;
         if constexpr (std::is_same_v<Fmt, Fp4Format>) {
           bool done = false;
-          if constexpr (MT == 1) {
+          if constexpr (MT <= kFp4IntMaxM) {
             if (fp4_int != nullptr) {
-              done = fp4_groups64_int<NT>(rows, srows, *fp4_int, acc, ahead);
+              done = fp4_groups64_int<MT, NT>(rows, srows, fp4_int + m0, acc, ahead);
               if (!done) fp4_int_calls[2].fetch_add(1, std::memory_order_relaxed);  // a scale code out of its range
             }
           }
@@ -1801,12 +1835,17 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
   const float* a_split = split.empty() ? nullptr : split.data();
   const Fp4IntActivation* fp4_int = nullptr;
 #if defined(TORCH_BQ_AVX2)
-  Fp4IntActivation int_a;
+  std::vector<Fp4IntActivation> int_a;
   if constexpr (std::is_same_v<Fmt, Fp4Format> && std::is_same_v<S, uint8_t>) {
-    if (M == 1 && prepare_fp4_int(A, w.K, int_a)) {
-      fp4_int = &int_a;
-      fp4_int_calls[0].fetch_add(1, std::memory_order_relaxed);
-      fp4_int_calls[1].fetch_add(int_a.float_blocks, std::memory_order_relaxed);
+    if (M <= kFp4IntMaxM) {  // every row must have an int block, else the float path for all
+      int_a.resize(M);
+      bool all = true;
+      for (int64_t m = 0; m < M && all; ++m) all = prepare_fp4_int(A + m * w.K, w.K, int_a[m]);
+      if (all) {
+        fp4_int = int_a.data();
+        fp4_int_calls[0].fetch_add(1, std::memory_order_relaxed);
+        for (const Fp4IntActivation& r : int_a) fp4_int_calls[1].fetch_add(r.float_blocks, std::memory_order_relaxed);
+      }
     }
   }
 #endif
