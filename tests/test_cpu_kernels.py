@@ -10,6 +10,7 @@ place. Linear results are checked against float64 with the bound of
 in any order plus one output rounding); qdq is bit-exact.
 """
 
+import math
 import os
 import shutil
 import warnings
@@ -858,6 +859,125 @@ def test_fp4_extreme_scale_codes(impl, m, low, path):
     x = torch.randn(m, k) * (2.0**100 if low else 2.0**-100)
     y = FP4[impl](x, packed, codes, None, False, 224.0, torch.float32)
     assert_linear_close(y, x.to(torch.bfloat16), w)
+
+
+# The levels whose MXFP4 decode at M = 1 and 2 runs the exact int16 dot products (kernels.cpp,
+# fp4_groups64_int): AVX2 without AVX-512 BF16 (that level has its own bf16 kernels).
+INT_LEVELS = [level for level in LEVELS if level in ("avx2", "avx512")]
+
+
+def fp4_int_counts(level):
+    """[MXFP4 calls that took the int path, their float blocks, tiles that fell back for a scale code]."""
+    return torch.tensor(_backend.cpu_kernels(level).fp4_int_counts())
+
+
+def every_nibble(n, k):
+    """Packed MXFP4 bytes [n, ceil(k / 2)] whose column k holds every nibble once over 16 rows."""
+    nn_, kk = torch.meshgrid(torch.arange(n), torch.arange(k), indexing="ij")
+    nibbles = ((nn_ + kk) % 16).to(torch.uint8)
+    padded = torch.nn.functional.pad(nibbles, (0, k % 2))
+    return (padded[:, 0::2] | (padded[:, 1::2] << 4)).contiguous()
+
+
+@pytest.mark.parametrize("level", INT_LEVELS)
+@pytest.mark.parametrize("k", [512, 416, 480, 97 + 256])
+@pytest.mark.parametrize("value", [1.0, -1.5 * 2.0**-20, 1.75 * 2.0**40, 2.0**-113])
+def test_fp4_int_path_one_hot_is_exact(level, k, value):
+    """M = 1 and 2 through the int path: a one-hot activation row (a single nonzero: t = 14 - its
+    exponent) picks one weight column, every nibble at every position of the 64-groups (two 4-group
+    scale chunks; partial chunks of 2, 3 and 1 groups at K = 416, 480 (and a trailing block)
+    and 353 (and a partial block and the padding nibble)) under scale codes that keep the int
+    path's factor 2**(code - 136 - t) normal; compared exactly with value * the dequantized
+    weight. Calls whose nonzero lies past the last whole group have no int block and must not
+    take the path (at M = 2: when either row has none); no tile may fall back. (Fails when the decoder's table, its element order,
+    the scale's exponent bias, t's bound or the handling of a partial chunk is off: tried.)"""
+    n = 21  # five 4-row tiles and a single-row tile
+    packed = every_nibble(n, k)
+    g = torch.Generator().manual_seed(k)
+    t = 14 - math.frexp(abs(value))[1] + 1  # the int path's shift: the value times 2**t in [2**14, 2**15)
+    low, high = 10 + t, 220 + t  # field = code - 9 - t in 1..211 (2**-113: t = 127, the largest)
+    scale = torch.randint(max(low, 0), min(high, 253), (n, -(-k // 32)), generator=g, dtype=torch.uint8)
+    w = formats.dequantize_fp4(packed, scale, k, torch.float32)
+    expected = (w * value).t()
+    assert torch.isfinite(expected).all() and (expected.abs().max() < 2.0**127)
+    whole = k // 64 * 64  # the columns of whole 64-groups
+    for rows in (1, 2):
+        before = fp4_int_counts(level)
+        for m in range(k):
+            columns = [m, (m + 37) % k][:rows]
+            x = torch.zeros(rows, k)
+            x[torch.arange(rows), columns] = value
+            y = FP4[level](x, packed, scale, None, False, 224.0, torch.float32)
+            torch.testing.assert_close(y, expected[columns], rtol=0, atol=0, msg=lambda e: f"columns {columns}: {e}")
+        grown = fp4_int_counts(level) - before
+        calls = sum(all(c < whole for c in [m, (m + 37) % k][:rows]) for m in range(k))
+        assert grown.tolist() == [calls, 0, 0], rows
+
+
+@pytest.mark.parametrize("level", INT_LEVELS)
+@pytest.mark.parametrize("k", [64 * 9, 64 * 9 + 32, 64 * 11 + 37])
+@pytest.mark.parametrize("codes", ["ordinary", "tiny", "huge", "nan"])
+@pytest.mark.parametrize("m", [1, 2])
+def test_fp4_int_path_falls_back_per_block_and_per_tile(level, k, codes, m):
+    """M = 1 with activation blocks the int path cannot take (exponents 2**22 or 2**23 apart: no
+    int16 holds both; a bf16 subnormal) next to an all-zero block, blocks at the edge of the int16
+    range and at a negative t, and ordinary ones. Each float block is counted and multiplied by
+    the correction pass. Rows whose scale codes put the int path's factor out of range (codes
+    3 with t = 6: below the normal range; 248 with t = 6: past 2**96; code 255: NaN) fall
+    back to the float path as whole tiles. Compared with the exact result within the fp32 bound.
+    (Fails without the correction pass, the row range check or the integrality check: tried.)"""
+    n = 13
+    g = torch.Generator().manual_seed(k + len(codes))
+    packed = torch.randint(0, 256, (n, (k + 1) // 2), generator=g, dtype=torch.uint8)
+    scale = torch.randint(118, 136, (n, -(-k // 32)), generator=g, dtype=torch.uint8)
+    special = {"ordinary": None, "tiny": 3, "huge": 248, "nan": 255}[codes]
+    if special is not None:
+        scale[5, 4] = special  # the second 4-row tile
+        scale[12, 7] = special  # the single-row tile
+    # e4m3-like values 2**-3 .. 15 * 2**0 (every block an int block: lowest bits 2**-6, top 2**3) ...
+    mantissa = torch.randint(8, 16, (1, k), generator=g) * (torch.randint(0, 2, (1, k), generator=g) * 2 - 1)
+    x = mantissa * torch.exp2(torch.randint(-6, 0, (1, k), generator=g).float())
+    x[0, 0:32] = 0.0  # block 0: all zero, an int block of nothing
+    x[0, 40] = 2.0**11  # block 1: 2**11 and 2**-11 in one block: float
+    x[0, 41] = -(2.0**-11)
+    x[0, 70] = 2.0**-130  # block 2: a bf16 subnormal: float
+    x[0, 96:128] = 0.0  # block 3: (1 + 2**-7) * 2**8 (lowest bit 2**1) and (1 + 2**-7) * 2**15
+    x[0, 100] = 2.0**8 + 2.0  # (top 2**15): t = -1, the largest int 2**14 + 2**7, just fits
+    x[0, 101] = -(2.0**15 + 2.0**8)
+    x[0, 160:192] = 0.0  # block 5: a lone (1 + 2**-7) * 2**16: t = -9, int 2**7 + 1
+    x[0, 170] = 2.0**16 + 2.0**9
+    x[0, 200] = 2.0**-20  # block 6: ordinary values next to 2**-20: float
+    assert torch.equal(x, x.to(torch.bfloat16).float()) and x[0, 70] != 0
+    x = torch.cat([x, x.roll(64, 1)])[:m]  # row 2: the same blocks one group on (float blocks 3, 4, 8)
+    a = x.to(torch.bfloat16)
+    w = formats.dequantize_fp4(packed, scale, k, torch.float32)
+    before = fp4_int_counts(level)
+    y = FP4[level](x, packed, scale, None, False, 224.0, torch.float32)
+    grown = fp4_int_counts(level) - before
+    finite = torch.isfinite(w).all(dim=1)
+    assert torch.isnan(y[:, ~finite]).all()
+    assert_linear_close(y[:, finite], a, w[finite], msg=f"{codes} K={k}")
+    # float blocks: 1, 2 and 6 per row (block 5 and 3 fit); tiles that fell back: rows 4-7 and row 12
+    assert grown.tolist() == [1, 3 * m, 0 if special is None else 2], grown
+
+
+@pytest.mark.parametrize("level", INT_LEVELS)
+def test_fp4_int_path_runs_for_qdq_activations(level):
+    """The int path serves qdq'd activations (the decode case it is for) and ordinary weights with
+    no fallback at M = 1 and 2, at the K of the benchmarks' layers; M = 3 takes the float path."""
+    torch.manual_seed(3)
+    for n, k in ((64, 2880), (36, 4096)):
+        p, s = formats.quantize_fp4(torch.randn(n, k))
+        for m in (1, 2, 3):
+            x = torch.randn(m, k)
+            before = fp4_int_counts(level)
+            y = FP4[level](x, p, s, None, True, 224.0, torch.float32)
+            grown = fp4_int_counts(level) - before
+            if m <= 2:
+                assert grown[0] == 1 and grown[1] <= m * k // 32 // 8 and grown[2] == 0, grown
+            else:
+                assert grown.tolist() == [0, 0, 0]
+            assert_linear_close(y, formats.qdq_fp8(x, 224.0), formats.dequantize_fp4(p, s, k, torch.float32))
 
 
 @impls

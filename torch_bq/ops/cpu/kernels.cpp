@@ -73,6 +73,9 @@
 //        remainders only). Whole 64-groups avoid F16C (the M = 1 limit):
 //        two vpshufb give both bytes of the bf16 encoding, and a bf16 word
 //        is an fp32 after one shift or mask (Fp4Format::decode64_bf16).
+//        At M <= 2 (kFp4IntMaxM) whole 64-groups take exact int16 dot
+//        products instead: vpshufb gives W * 2 as int8, vpmaddwd multiplies
+//        it with A * 2**t held as int16 per block (fp4_groups64_int).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -478,9 +481,288 @@ int64_t fp4_groups64(const uint8_t* const* rows, const uint8_t* const* scale_row
   return 2 * groups;
 }
 
+// MXFP4 at M = 1 and 2 through exact int16 dot products (the avx2 and avx512
+// levels; AVX-512 BF16 has its own kernels). A qdq'd activation block is
+// e4m3 values times one power of two (docs/contract.md §3), so within a
+// block A * 2**t is usually a vector of integers below 2**15 for one t; e2m1
+// values times 2 are the integers 0, 1, 2, 3, 4, 6, 8, 12 with a sign. One
+// vpshufb turns the nibbles into int8 W * 2, a 16-bit shift or mask puts
+// each byte in the high byte of a word ((W * 2) << 8, sign kept), and
+// vpmaddwd against the int16 A gives int32 sums of two products. Per
+// 32-block a lane sums 8 products, each below 2**15 * 12 * 2**8: the sum is
+// an exact integer, a multiple of 2**8 below 2**31, so it has at most 23
+// significant bits and vcvtdq2ps converts it exactly. The block's value is
+// that sum times 2**(code - 127 - 9 - t) (the 2**8 of the shift, the 2 of
+// the table, the 2**t of A), exact while that factor is a normal float and
+// the product stays finite (then every nonzero lane, at least 2**8, times
+// it is normal too); one multiply-add per block adds it to the fp32
+// accumulator. Each product is formed exactly and each block's partial sum
+// is its exact value, so only the fp32 summation order differs from the
+// reference (docs/contract.md §4).
+// Per 64 elements and weight row at M = 1: 1 load, 3 nibble ops, 2 vpshufb,
+// 4 shifts/masks, 4 vpmaddwd (A as memory operands), 3 adds, 1 conversion,
+// 1 shuffle for the scale, 1 multiply-add and a quarter of the scale work
+// (about 21 against about 31 on the float path, fp4_groups64). Measured on a
+// Zen 5 at the avx2 level, cold weights, 1 thread: 0.69-0.75 of the float
+// path's time at M = 1 (4096 x 4096: 479 against 655 us), 0.81-0.83 at
+// M = 2 (kFp4IntMaxM). The time follows the instruction count (no single
+// port limits it: with the vpmaddwd replaced by adds it ran as fast).
+//
+// Fp4IntActivation holds an A row prepared once per call (prepare_fp4_int): the
+// int16 A in the order the decoder produces, per block -9 - t (the exponent
+// bias of its scale), and the blocks whose A is not such an integer vector
+// (exponents too far apart, subnormal, inf, NaN), which the float path
+// multiplies (their int16 A is zero) in a correction pass over the few
+// 64-groups that hold one. t = 14 - (the block's largest exponent): every
+// block of a qdq'd activation whose nonzero values lie within 2**11 of its
+// largest is an int block (e4m3 values carry 4 significant bits).
+struct Fp4IntActivation {
+  // [groups * 64]: register r of group g, 128-bit lane L, word p holds element
+  // 64 g + 32 L + 4 p + {0, 2, 1, 3}[r] times 2**t of its block (zero for
+  // the float blocks).
+  std::vector<int16_t> a;
+  // [chunks * 8], per chunk of 4 groups: the first blocks of its groups, then
+  // their second blocks (the order fp4_groups64_int forms its scales in):
+  // -9 - t; padding, float and all-zero blocks copy another block's value,
+  // so that they never narrow the scale codes a row may have.
+  std::vector<int32_t> bias;
+  std::vector<int32_t> fix;  // the groups with a float block, ascending
+  std::vector<float> rest;   // [fix.size() * 64] their A as fp4_groups64 reads it, zero in the int blocks
+  int64_t groups = 0;
+  int64_t float_blocks = 0;
+  // The scale codes a row may have for the int path: code + bias in 1..223
+  // for every bias (the factor 2**(code + bias - 127) normal, and a lane sum
+  // below 2**31 times it finite), code at most 252 (255 is NaN; 253 and 254
+  // give weights the reference forms as inf).
+  int lowest_code = 0, highest_code = 0;
+};
+
+// Fills p for one activation row a[0, K) (exact bf16 values in fp32); false
+// when no block can take the int path (then p is unused).
+inline bool prepare_fp4_int(const float* a, int64_t K, Fp4IntActivation& p) {
+  const int64_t groups = K / 64, blocks = 2 * groups, chunks = (groups + 3) / 4;
+  if (groups == 0) return false;
+  std::vector<int> t(blocks);
+  std::vector<uint8_t> kind(blocks);  // 0: all zero, 1: int, 2: float
+  alignas(32) float scaled[32];
+  int bias_min = 1 << 20, bias_max = -(1 << 20);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* x = a + 32 * b;
+    uint32_t top = 0;  // the largest magnitude's bits (loops without branches: the compiler vectorizes them)
+    for (int i = 0; i < 32; ++i) top = std::max(top, bits_from_f32(x[i]) & 0x7FFFFFFFu);
+    kind[b] = 2;
+    if (top == 0) {
+      kind[b] = 0;
+      continue;
+    }
+    const int emax = int(top >> 23) - 127;  // 128: inf or NaN
+    // t = 14 - emax makes the largest |a| * 2**t at least 2**14, below 2**15;
+    // 2**t must be a normal float (blocks below 2**-113 stay float).
+    if (emax > 127 || emax < -113) continue;
+    t[b] = 14 - emax;
+    const float factor = f32_from_bits(uint32_t(127 + t[b]) << 23);
+    uint32_t fraction = 0;  // nonzero when some a * 2**t is not an integer (subnormals never are)
+    for (int i = 0; i < 32; ++i) {
+      scaled[i] = x[i] * factor;  // exact: a power of two, the result normal or 0
+      fraction |= uint32_t(scaled[i] != float(int32_t(scaled[i])));
+    }
+    if (fraction != 0) continue;
+    kind[b] = 1;
+    bias_min = std::min(bias_min, -9 - t[b]);
+    bias_max = std::max(bias_max, -9 - t[b]);
+  }
+  if (bias_min > bias_max) return false;  // no int block
+  p.lowest_code = std::max(0, 1 - bias_min);
+  p.highest_code = std::min(252, 223 - bias_max);
+  if (p.lowest_code > p.highest_code) return false;
+  const int neutral = bias_min;
+  p.groups = groups;
+  p.a.assign(groups * 64, 0);
+  p.bias.assign(chunks * 8, neutral);
+  p.fix.clear();
+  p.rest.clear();
+  p.float_blocks = 0;
+  static constexpr int kRegisterOffset[4] = {0, 2, 1, 3};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t g = b / 2, lane = b % 2;
+    if (kind[b] == 2) ++p.float_blocks;
+    if (kind[b] != 1) continue;
+    p.bias[(g / 4) * 8 + lane * 4 + g % 4] = -9 - t[b];
+    const float factor = f32_from_bits(uint32_t(127 + t[b]) << 23);
+    for (int r = 0; r < 4; ++r)
+      for (int q = 0; q < 8; ++q)
+        p.a[g * 64 + r * 16 + lane * 8 + q] =
+            static_cast<int16_t>(a[64 * g + 32 * lane + 4 * q + kRegisterOffset[r]] * factor);
+  }
+  for (int64_t g = groups; g < chunks * 4; ++g)  // the partial chunk's padding: as its first block (and code)
+    p.bias[(g / 4) * 8 + (g % 4)] = p.bias[(g / 4) * 8 + 4 + (g % 4)] = p.bias[(g / 4) * 8];
+  for (int64_t g = 0; g < groups; ++g) {
+    if (kind[2 * g] != 2 && kind[2 * g + 1] != 2) continue;
+    p.fix.push_back(int32_t(g));
+    for (int i = 0; i < 8; ++i)
+      for (int l = 0; l < 8; ++l) {
+        const int e = Fp4Format::group64_element(i, l);
+        p.rest.push_back(kind[2 * g + e / 32] == 2 ? a[64 * g + e] : 0.0f);
+      }
+  }
+  return true;
+}
+
+// The scale vector of group GI of a chunk (lanes 0-3: its first block, 4-7:
+// its second) from the chunk's 8 scale fields in Fp4IntActivation::bias order.
+template <int GI>
+inline __m256 fp4_int_scale(__m256i fields_shifted) {
+  return _mm256_castsi256_ps(_mm256_shuffle_epi32(fields_shifted, GI * 0x55));
+}
+
+// One 64-group of NT weight rows x MT activation rows (the step of
+// fp4_groups64_int); GI: its place in the chunk. Each weight row is decoded
+// once for all MT rows.
+template <int GI, int MT, int NT>
+inline void fp4_int_group(const uint8_t* const* rows, const int16_t* const* a, int64_t g,
+                          const __m256i (&sc)[MT][NT], __m256 (&acc)[MT][NT], const uint8_t* ahead) {
+  // W * 2 as int8 for e2m1 codes 0..15 (code 8 is -0)
+  const __m256i lut = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6, 8,
+                                       12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i high = _mm256_set1_epi16(static_cast<short>(0xFF00));
+  for (int c = 0; c < (NT + 1) / 2; ++c)  // the next rows' share for this group (see dot_tile)
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + (g * ((NT + 1) / 2) + c) * 64), _MM_HINT_T0);
+  for (int j = 0; j < NT; ++j) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + g * 32));
+    const __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(b, mask));
+    const __m256i wh = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(b, 4), mask));
+    const __m256i u[4] = {_mm256_slli_epi16(wl, 8), _mm256_and_si256(wl, high), _mm256_slli_epi16(wh, 8),
+                          _mm256_and_si256(wh, high)};
+    for (int i = 0; i < MT; ++i) {
+      const __m256i* av = reinterpret_cast<const __m256i*>(a[i] + g * 64);
+      const __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(u[0], _mm256_loadu_si256(av)),
+                                          _mm256_madd_epi16(u[1], _mm256_loadu_si256(av + 1)));
+      const __m256i s1 = _mm256_add_epi32(_mm256_madd_epi16(u[2], _mm256_loadu_si256(av + 2)),
+                                          _mm256_madd_epi16(u[3], _mm256_loadu_si256(av + 3)));
+      acc[i][j] =
+          _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), fp4_int_scale<GI>(sc[i][j]), acc[i][j]);
+    }
+  }
+}
+
+// MT activation rows (act[0, MT)) x NT weight rows: the int path over groups
+// [0, K / 64), then the float path over each row's fix list. False (acc
+// untouched) when a weight row has a scale code outside some activation
+// row's [lowest_code, highest_code] among those blocks: the caller's float
+// path takes such tiles.
+template <int MT, int NT>
+bool fp4_groups64_int(const uint8_t* const* rows, const uint8_t* const* scale_rows, const Fp4IntActivation* act,
+                      __m256 (&acc)[MT][NT], const uint8_t* ahead) {
+  const int64_t groups = act[0].groups;
+  const int16_t* a[MT];
+  for (int i = 0; i < MT; ++i) a[i] = act[i].a.data();
+  const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  // The range check, once per row before its blocks are multiplied (in the
+  // loop it cost about 4% of the time): every code within [lowest, highest].
+  const int64_t blocks = 2 * groups;
+  {
+    __m128i lo = _mm_set1_epi8(char(255)), hi = _mm_setzero_si128();
+    for (int j = 0; j < NT; ++j) {
+      const uint8_t* codes = scale_rows[j];
+      if (blocks >= 16) {  // 16 codes at a time, the last 16 overlapping
+        for (int64_t b = 0;; b += 16) {
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + std::min(b, blocks - 16)));
+          lo = _mm_min_epu8(lo, v);
+          hi = _mm_max_epu8(hi, v);
+          if (b + 16 >= blocks) break;
+        }
+      } else {
+        for (int64_t b = 0; b < blocks; ++b) {
+          lo = _mm_min_epu8(lo, _mm_set1_epi8(char(codes[b])));
+          hi = _mm_max_epu8(hi, _mm_set1_epi8(char(codes[b])));
+        }
+      }
+    }
+    // every byte of lo at least each lowest_code, of hi at most each highest_code
+    __m128i fits = _mm_set1_epi8(-1);
+    for (int i = 0; i < MT; ++i) {
+      const __m128i below = _mm_cmpeq_epi8(_mm_max_epu8(lo, _mm_set1_epi8(char(act[i].lowest_code))), lo);
+      const __m128i above = _mm_cmpeq_epi8(_mm_min_epu8(hi, _mm_set1_epi8(char(act[i].highest_code))), hi);
+      fits = _mm_and_si128(fits, _mm_and_si128(below, above));
+    }
+    if (_mm_movemask_epi8(fits) != 0xFFFF) return false;
+  }
+  for (int64_t c = 0; c * 4 < groups; ++c) {
+    const int64_t g0 = 4 * c;
+    const bool whole = g0 + 4 <= groups;
+    __m256i sc[MT][NT];
+    for (int j = 0; j < NT; ++j) {
+      __m128i codes;
+      if (whole) {
+        codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale_rows[j] + 8 * c));
+      } else {  // the last, partial chunk: padded with its first code (and bias)
+        alignas(8) uint8_t tmp[8];
+        const int64_t valid = 2 * (groups - g0);
+        for (int i = 0; i < 8; ++i) tmp[i] = scale_rows[j][8 * c + (i < valid ? i : 0)];
+        codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tmp));
+      }
+      const __m256i code32 = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(codes, order));
+      for (int i = 0; i < MT; ++i) {
+        const __m256i bias = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act[i].bias.data() + 8 * c));
+        sc[i][j] = _mm256_slli_epi32(_mm256_add_epi32(code32, bias), 23);
+      }
+    }
+    if (whole) {
+      fp4_int_group<0, MT, NT>(rows, a, g0, sc, acc, ahead);
+      fp4_int_group<1, MT, NT>(rows, a, g0 + 1, sc, acc, ahead);
+      fp4_int_group<2, MT, NT>(rows, a, g0 + 2, sc, acc, ahead);
+      fp4_int_group<3, MT, NT>(rows, a, g0 + 3, sc, acc, ahead);
+    } else {
+      fp4_int_group<0, MT, NT>(rows, a, g0, sc, acc, ahead);
+      if (g0 + 1 < groups) fp4_int_group<1, MT, NT>(rows, a, g0 + 1, sc, acc, ahead);
+      if (g0 + 2 < groups) fp4_int_group<2, MT, NT>(rows, a, g0 + 2, sc, acc, ahead);
+    }
+  }
+  for (int i = 0; i < MT; ++i) {
+    const float* rest = act[i].rest.data();
+    for (size_t f = 0; f < act[i].fix.size(); ++f) {
+      const int64_t g = act[i].fix[f];
+      const float* af = rest + 64 * f;
+      for (int j = 0; j < NT; ++j) {
+        __m256 w[8];
+        Fp4Format::decode64_bf16(rows[j] + g * 32, w);
+        const uint8_t* s = scale_rows[j] + 2 * g;
+        const __m256 sv = _mm256_set_m128(_mm_set1_ps(kTables.e8m0[s[1]]), _mm_set1_ps(kTables.e8m0[s[0]]));
+        __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(af), w[0]);
+        __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(af + 8), w[1]);
+        for (int e = 2; e < 8; e += 2) {
+          p0 = _mm256_fmadd_ps(_mm256_loadu_ps(af + 8 * e), w[e], p0);
+          p1 = _mm256_fmadd_ps(_mm256_loadu_ps(af + 8 * e + 8), w[e + 1], p1);
+        }
+        acc[i][j] = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), sv, acc[i][j]);
+      }
+    }
+  }
+  return true;
+}
+
+// The most activation rows the int path takes. Per activation row it costs
+// 4 vpmaddwd, 3 adds, a conversion, a shuffle and a multiply-add against the
+// float path's 8 multiplies / multiply-adds, an add and a multiply-add: it
+// gains on the decode, which a tile shares among its rows. Measured on a
+// Zen 5 (avx2 level, 4-row tiles, cold weights, 4096 x 4096, 2880 x 2880,
+// 14336 x 4096): time over the float path's 0.69-0.73 at M = 1, 0.81-0.83 at
+// M = 2, 1.02-1.08 at M = 3 (its 3 x 4 accumulators and scales no longer
+// fit the 16 registers).
+constexpr int kFp4IntMaxM = 2;
+
+// Decode-path counts of the int path above since load: [MXFP4 calls that
+// took it, their float blocks (multiplied by the correction pass), tiles that
+// fell back to fp4_groups64 for a scale code]; tests read them through the
+// fp4_int_counts op.
+std::atomic<int64_t> fp4_int_calls[3];
+
 // Subnormal inputs read as zero (torch.set_flush_denormal(True) sets this).
 inline bool denormals_are_zero() { return (_mm_getcsr() & 0x0040) != 0; }
 #endif
+
+struct Fp4IntActivation;  // one row's int16 activation for the AVX2 MXFP4 path at M <= 2
 
 struct WeightView {
   const uint8_t* data;  // [N, row_bytes(K)]
@@ -498,8 +780,8 @@ struct WeightView {
 // 16-wide chunks; the scalar pass covers the rest (all of it when the
 // block's folded scale would overflow).
 template <class Fmt, class S, int MT, int NT>
-void dot_tile(const WeightView& w, const float* A, const float* a_split, int a_exp, int64_t m0, int64_t n0,
-              float* out, int64_t N) {
+void dot_tile(const WeightView& w, const float* A, const float* a_split, int a_exp, const Fp4IntActivation* fp4_int,
+              int64_t m0, int64_t n0, float* out, int64_t N) {
   const int64_t K = w.K;
   const uint8_t* rows[NT];
   const S* srows[NT];
@@ -534,7 +816,16 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int a_e
       if (a_split != nullptr) {  // the F16C-free whole-block loops, against the permuted A
         const float* a_perm[MT];
         for (int i = 0; i < MT; ++i) a_perm[i] = a_split + (m0 + i) * K;
-        if constexpr (std::is_same_v<Fmt, Fp4Format>) b = fp4_groups64<MT, NT>(rows, srows, a_perm, K, acc, ahead);
+        if constexpr (std::is_same_v<Fmt, Fp4Format>) {
+          bool done = false;
+          if constexpr (MT <= kFp4IntMaxM) {
+            if (fp4_int != nullptr) {
+              done = fp4_groups64_int<MT, NT>(rows, srows, fp4_int + m0, acc, ahead);
+              if (!done) fp4_int_calls[2].fetch_add(1, std::memory_order_relaxed);  // a scale code out of its range
+            }
+          }
+          b = done ? 2 * (K / 64) : fp4_groups64<MT, NT>(rows, srows, a_perm, K, acc, ahead);
+        }
         if constexpr (std::is_same_v<Fmt, Fp8Format>) {
           if (!denormals_are_zero()) {  // this thread's MXCSR (a worker's may differ from the caller's)
             if constexpr (MT == 1) {
@@ -627,8 +918,8 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int a_e
 // rows once more, so M = 8 q + r costs q + 1 decodes, never q + 2 or 3 (a
 // tile of 1 or 2 rows after the 8s and 4s was the M = 5 and M = 9 steps).
 template <class Fmt, class S, int NT>
-void rows_tile(const WeightView& w, const float* A, const float* a_split, int a_exp, int64_t M, int64_t n,
-               float* out, int64_t N) {
+void rows_tile(const WeightView& w, const float* A, const float* a_split, int a_exp, const Fp4IntActivation* fp4_int,
+               int64_t M, int64_t n, float* out, int64_t N) {
   constexpr int kMaxMT = NT == 4 ? 3 : 8;
   const int64_t tiles = (M + kMaxMT - 1) / kMaxMT;
   int64_t m0 = 0;
@@ -638,7 +929,7 @@ void rows_tile(const WeightView& w, const float* A, const float* a_split, int a_
 #define TORCH_BQ_ROWS(R)                                       \
   case R:                                                      \
     if constexpr (R <= kMaxMT) {                               \
-      dot_tile<Fmt, S, R, NT>(w, A, a_split, a_exp, m0, n, out, N); \
+      dot_tile<Fmt, S, R, NT>(w, A, a_split, a_exp, fp4_int, m0, n, out, N); \
     }                                                          \
     break;
       TORCH_BQ_ROWS(1) TORCH_BQ_ROWS(2) TORCH_BQ_ROWS(3) TORCH_BQ_ROWS(4)
@@ -651,13 +942,13 @@ void rows_tile(const WeightView& w, const float* A, const float* a_split, int a_
 }
 
 template <class Fmt, class S>
-void decode_rows(const WeightView& w, const float* A, const float* a_split, int a_exp, int64_t M,
-                 int64_t n_begin, int64_t n_end, float* out, int64_t N) {
+void decode_rows(const WeightView& w, const float* A, const float* a_split, int a_exp,
+                 const Fp4IntActivation* fp4_int, int64_t M, int64_t n_begin, int64_t n_end, float* out, int64_t N) {
   int64_t n = n_begin;
   if (M <= 3) {  // decode-bound: share each A load across four weight rows
-    for (; n + 4 <= n_end; n += 4) rows_tile<Fmt, S, 4>(w, A, a_split, a_exp, M, n, out, N);
+    for (; n + 4 <= n_end; n += 4) rows_tile<Fmt, S, 4>(w, A, a_split, a_exp, fp4_int, M, n, out, N);
   }
-  for (; n < n_end; ++n) rows_tile<Fmt, S, 1>(w, A, a_split, a_exp, M, n, out, N);
+  for (; n < n_end; ++n) rows_tile<Fmt, S, 1>(w, A, a_split, a_exp, fp4_int, M, n, out, N);
 }
 
 #if defined(TORCH_BQ_AVX2)
@@ -1542,8 +1833,25 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
   }
 #endif
   const float* a_split = split.empty() ? nullptr : split.data();
+  const Fp4IntActivation* fp4_int = nullptr;
+#if defined(TORCH_BQ_AVX2)
+  std::vector<Fp4IntActivation> int_a;
+  if constexpr (std::is_same_v<Fmt, Fp4Format> && std::is_same_v<S, uint8_t>) {
+    if (M <= kFp4IntMaxM) {  // every row must have an int block, else the float path for all
+      int_a.resize(M);
+      bool all = true;
+      for (int64_t m = 0; m < M && all; ++m) all = prepare_fp4_int(A + m * w.K, w.K, int_a[m]);
+      if (all) {
+        fp4_int = int_a.data();
+        fp4_int_calls[0].fetch_add(1, std::memory_order_relaxed);
+        for (const Fp4IntActivation& r : int_a) fp4_int_calls[1].fetch_add(r.float_blocks, std::memory_order_relaxed);
+      }
+    }
+  }
+#endif
   run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
-    decode_rows<Fmt, S>(w, A, a_split, a_exp, M, t * kRowsPerTask, std::min(N, (t + 1) * kRowsPerTask), out, N);
+    decode_rows<Fmt, S>(w, A, a_split, a_exp, fp4_int, M, t * kRowsPerTask, std::min(N, (t + 1) * kRowsPerTask), out,
+                        N);
   });
 }
 
@@ -3213,6 +3521,14 @@ std::vector<int64_t> prefill_counts() {
   return {prefill_tiles[0].load(), prefill_tiles[1].load(), prefill_tiles[2].load()};
 }
 
+std::vector<int64_t> fp4_int_counts() {
+#if defined(TORCH_BQ_AVX2)
+  return {fp4_int_calls[0].load(), fp4_int_calls[1].load(), fp4_int_calls[2].load()};
+#else
+  return {};
+#endif
+}
+
 std::vector<int64_t> decode_counts() { return {dot_decode_calls[0].load(), dot_decode_calls[1].load()}; }
 
 // The fewest rows the AVX-512 BF16 decode runs on its folded tiles, [fp8, fp4]
@@ -3297,6 +3613,7 @@ TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
   m.def("vectorized() -> bool", &torch_bq_cpu::vectorized);
   m.def("prefill_counts() -> int[]", &torch_bq_cpu::prefill_counts);
   m.def("decode_counts() -> int[]", &torch_bq_cpu::decode_counts);
+  m.def("fp4_int_counts() -> int[]", &torch_bq_cpu::fp4_int_counts);
   m.def("decode_fold_rows() -> int[]", &torch_bq_cpu::decode_fold_rows);
   m.def("prefill_task_rows() -> int", &torch_bq_cpu::prefill_task_rows);
   m.def("decode_isa() -> str", &torch_bq_cpu::decode_isa);
