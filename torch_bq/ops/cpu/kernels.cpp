@@ -445,6 +445,25 @@ int scale_for_factoring(float* a, int64_t n) {
   return e;
 }
 
+// The partial sum of one decoded 64-group (Fp4Format::decode64_bf16) against
+// its activation in the same order, per lane (lanes 0-3: the first block,
+// 4-7: the second); two chains: the FMA latency, not its throughput, would
+// bound one.
+inline __m256 group64_dot(const __m256 (&w)[8], const float* a) {
+  __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(a), w[0]);
+  __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(a + 8), w[1]);
+  for (int e = 2; e < 8; e += 2) {
+    p0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8 * e), w[e], p0);
+    p1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8 * e + 8), w[e + 1], p1);
+  }
+  return _mm256_add_ps(p0, p1);
+}
+
+// The e8m0 scales of a 64-group's two blocks (codes s[0], s[1]) in group64_dot's lanes.
+inline __m256 group64_scales(const uint8_t* s) {
+  return _mm256_set_m128(_mm_set1_ps(kTables.e8m0[s[1]]), _mm_set1_ps(kTables.e8m0[s[0]]));
+}
+
 // MXFP4, MT activation rows x NT weight rows: two whole blocks (64
 // elements) per iteration with the bf16-pattern decoder, against the
 // activation permuted to its output order (permute_activation_groups64).
@@ -463,19 +482,8 @@ int64_t fp4_groups64(const uint8_t* const* rows, const uint8_t* const* scale_row
     for (int j = 0; j < NT; ++j) {
       __m256 w[8];
       Fp4Format::decode64_bf16(rows[j] + g * 32, w);
-      const uint8_t* s = scale_rows[j] + 2 * g;
-      const __m256 sv = _mm256_set_m128(_mm_set1_ps(kTables.e8m0[s[1]]), _mm_set1_ps(kTables.e8m0[s[0]]));
-      for (int i = 0; i < MT; ++i) {
-        const float* a = a_perm[i] + g * 64;
-        // two chains: the FMA latency, not its throughput, would bound one
-        __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(a), w[0]);
-        __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(a + 8), w[1]);
-        for (int e = 2; e < 8; e += 2) {
-          p0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8 * e), w[e], p0);
-          p1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8 * e + 8), w[e + 1], p1);
-        }
-        acc[i][j] = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), sv, acc[i][j]);
-      }
+      const __m256 sv = group64_scales(scale_rows[j] + 2 * g);
+      for (int i = 0; i < MT; ++i) acc[i][j] = _mm256_fmadd_ps(group64_dot(w, a_perm[i] + g * 64), sv, acc[i][j]);
     }
   }
   return 2 * groups;
@@ -727,15 +735,7 @@ bool fp4_groups64_int(const uint8_t* const* rows, const uint8_t* const* scale_ro
       for (int j = 0; j < NT; ++j) {
         __m256 w[8];
         Fp4Format::decode64_bf16(rows[j] + g * 32, w);
-        const uint8_t* s = scale_rows[j] + 2 * g;
-        const __m256 sv = _mm256_set_m128(_mm_set1_ps(kTables.e8m0[s[1]]), _mm_set1_ps(kTables.e8m0[s[0]]));
-        __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(af), w[0]);
-        __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(af + 8), w[1]);
-        for (int e = 2; e < 8; e += 2) {
-          p0 = _mm256_fmadd_ps(_mm256_loadu_ps(af + 8 * e), w[e], p0);
-          p1 = _mm256_fmadd_ps(_mm256_loadu_ps(af + 8 * e + 8), w[e + 1], p1);
-        }
-        acc[i][j] = _mm256_fmadd_ps(_mm256_add_ps(p0, p1), sv, acc[i][j]);
+        acc[i][j] = _mm256_fmadd_ps(group64_dot(w, af), group64_scales(scale_rows[j] + 2 * g), acc[i][j]);
       }
     }
   }
