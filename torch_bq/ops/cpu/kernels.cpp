@@ -780,8 +780,8 @@ struct WeightView {
 // 16-wide chunks; the scalar pass covers the rest (all of it when the
 // block's folded scale would overflow).
 template <class Fmt, class S, int MT, int NT>
-void dot_tile(const WeightView& w, const float* A, const float* a_split, int a_exp, const Fp4IntActivation* fp4_int,
-              int64_t m0, int64_t n0, float* out, int64_t N) {
+void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t a_stride, int a_exp,
+              const Fp4IntActivation* fp4_int, int64_t m0, int64_t n0, float* out, int64_t N) {
   const int64_t K = w.K;
   const uint8_t* rows[NT];
   const S* srows[NT];
@@ -815,7 +815,7 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int a_e
     if constexpr (std::is_same_v<S, uint8_t>) {
       if (a_split != nullptr) {  // the F16C-free whole-block loops, against the permuted A
         const float* a_perm[MT];
-        for (int i = 0; i < MT; ++i) a_perm[i] = a_split + (m0 + i) * K;
+        for (int i = 0; i < MT; ++i) a_perm[i] = a_split + (m0 + i) * a_stride;
         if constexpr (std::is_same_v<Fmt, Fp4Format>) {
           bool done = false;
           if constexpr (MT <= kFp4IntMaxM) {
@@ -918,8 +918,8 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int a_e
 // rows once more, so M = 8 q + r costs q + 1 decodes, never q + 2 or 3 (a
 // tile of 1 or 2 rows after the 8s and 4s was the M = 5 and M = 9 steps).
 template <class Fmt, class S, int NT>
-void rows_tile(const WeightView& w, const float* A, const float* a_split, int a_exp, const Fp4IntActivation* fp4_int,
-               int64_t M, int64_t n, float* out, int64_t N) {
+void rows_tile(const WeightView& w, const float* A, const float* a_split, int64_t a_stride, int a_exp,
+               const Fp4IntActivation* fp4_int, int64_t M, int64_t n, float* out, int64_t N) {
   constexpr int kMaxMT = NT == 4 ? 3 : 8;
   const int64_t tiles = (M + kMaxMT - 1) / kMaxMT;
   int64_t m0 = 0;
@@ -929,7 +929,7 @@ void rows_tile(const WeightView& w, const float* A, const float* a_split, int a_
 #define TORCH_BQ_ROWS(R)                                       \
   case R:                                                      \
     if constexpr (R <= kMaxMT) {                               \
-      dot_tile<Fmt, S, R, NT>(w, A, a_split, a_exp, fp4_int, m0, n, out, N); \
+      dot_tile<Fmt, S, R, NT>(w, A, a_split, a_stride, a_exp, fp4_int, m0, n, out, N); \
     }                                                          \
     break;
       TORCH_BQ_ROWS(1) TORCH_BQ_ROWS(2) TORCH_BQ_ROWS(3) TORCH_BQ_ROWS(4)
@@ -942,36 +942,59 @@ void rows_tile(const WeightView& w, const float* A, const float* a_split, int a_
 }
 
 template <class Fmt, class S>
-void decode_rows(const WeightView& w, const float* A, const float* a_split, int a_exp,
+void decode_rows(const WeightView& w, const float* A, const float* a_split, int64_t a_stride, int a_exp,
                  const Fp4IntActivation* fp4_int, int64_t M, int64_t n_begin, int64_t n_end, float* out, int64_t N) {
   int64_t n = n_begin;
   if (M <= 3) {  // decode-bound: share each A load across four weight rows
-    for (; n + 4 <= n_end; n += 4) rows_tile<Fmt, S, 4>(w, A, a_split, a_exp, fp4_int, M, n, out, N);
+    for (; n + 4 <= n_end; n += 4) rows_tile<Fmt, S, 4>(w, A, a_split, a_stride, a_exp, fp4_int, M, n, out, N);
   }
-  for (; n < n_end; ++n) rows_tile<Fmt, S, 1>(w, A, a_split, a_exp, fp4_int, M, n, out, N);
+  for (; n < n_end; ++n) rows_tile<Fmt, S, 1>(w, A, a_split, a_stride, a_exp, fp4_int, M, n, out, N);
 }
 
 #if defined(TORCH_BQ_AVX2)
+// A copy of A [M, K] for the AVX2 whole-block loops, in their element order:
+// rows `stride` floats apart, the first on a cache line. The stride is a
+// multiple of 16 floats (no 32-byte load straddles two lines) and not of 1024
+// (4 KiB): with K = 4096 or 14336, rows exactly K apart put every row's
+// current lines into the same L1 sets, and from 6 rows a tile evicted its own
+// activation (per-row time up 1.3-1.45x from M = 5 to 6 at the avx2 level, and
+// it varied with where malloc put the copy).
+struct PermutedActivation {
+  std::vector<float> buf;
+  float* data = nullptr;
+  int64_t stride = 0;
+  void allocate(int64_t M, int64_t K) {
+    stride = (K + 15) / 16 * 16;
+    if (stride % 1024 == 0) stride += 16;
+    buf.resize(M * stride + 16);
+    data = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+  }
+};
+
 // A [M, K] with every full 64-element group reordered as fp4_groups64
 // reads it (Fp4Format::group64_element); the rest of each row as it is.
-std::vector<float> permute_activation_groups64(const float* A, int64_t M, int64_t K) {
-  std::vector<float> perm(A, A + M * K);
-  for (int64_t m = 0; m < M; ++m)
+void permute_activation_groups64(const float* A, int64_t M, int64_t K, PermutedActivation& perm) {
+  perm.allocate(M, K);
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = perm.data + m * perm.stride;
+    std::memcpy(row, A + m * K, K * sizeof(float));
     for (int64_t k0 = 0; k0 + 64 <= K; k0 += 64)
       for (int i = 0; i < 8; ++i)
-        for (int l = 0; l < 8; ++l) perm[m * K + k0 + 8 * i + l] = A[m * K + k0 + Fp4Format::group64_element(i, l)];
-  return perm;
+        for (int l = 0; l < 8; ++l) row[k0 + 8 * i + l] = A[m * K + k0 + Fp4Format::group64_element(i, l)];
+  }
 }
 
 // A [M, K] with every full 32-block reordered as fp8_blocks32 reads it
 // (element 4 d + i at 8 i + d); the rest of each row as it is.
-std::vector<float> permute_activation_blocks32(const float* A, int64_t M, int64_t K) {
-  std::vector<float> perm(A, A + M * K);
-  for (int64_t m = 0; m < M; ++m)
+void permute_activation_blocks32(const float* A, int64_t M, int64_t K, PermutedActivation& perm) {
+  perm.allocate(M, K);
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = perm.data + m * perm.stride;
+    std::memcpy(row, A + m * K, K * sizeof(float));
     for (int64_t k0 = 0; k0 + 32 <= K; k0 += 32)
       for (int i = 0; i < 4; ++i)
-        for (int d = 0; d < 8; ++d) perm[m * K + k0 + 8 * i + d] = A[m * K + k0 + 4 * d + i];
-  return perm;
+        for (int d = 0; d < 8; ++d) row[k0 + 8 * i + d] = A[m * K + k0 + 4 * d + i];
+  }
 }
 #endif
 
@@ -1818,21 +1841,24 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
   }
 #endif
   constexpr int64_t kRowsPerTask = 16;  // multiple of the tile height NT
-  std::vector<float> split;
-  int a_exp = -1;  // >= 0: split was multiplied by 2**a_exp for fp8_blocks32_factored (M = 1)
+  const float* a_split = nullptr;  // the permuted copy of A, rows a_stride apart (AVX2 builds)
+  int64_t a_stride = 0;
+  int a_exp = -1;  // >= 0: the copy was multiplied by 2**a_exp for fp8_blocks32_factored (M = 1)
 #if defined(TORCH_BQ_AVX2)
+  PermutedActivation split;
   if constexpr (std::is_same_v<S, uint8_t>) {
-    if constexpr (std::is_same_v<Fmt, Fp4Format>) split = permute_activation_groups64(A, M, w.K);
+    if constexpr (std::is_same_v<Fmt, Fp4Format>) permute_activation_groups64(A, M, w.K, split);
     // The fp8 decoder's subnormals are inputs of its multiplies: with DAZ set it cannot run.
     if constexpr (std::is_same_v<Fmt, Fp8Format>) {
       if (w.bk == 32 && !denormals_are_zero()) {
-        split = permute_activation_blocks32(A, M, w.K);
-        if (M == 1) a_exp = scale_for_factoring(split.data(), w.K / 32 * 32);  // the permuted blocks only
+        permute_activation_blocks32(A, M, w.K, split);
+        if (M == 1) a_exp = scale_for_factoring(split.data, w.K / 32 * 32);  // the permuted blocks only
       }
     }
   }
+  a_split = split.data;
+  a_stride = split.stride;
 #endif
-  const float* a_split = split.empty() ? nullptr : split.data();
   const Fp4IntActivation* fp4_int = nullptr;
 #if defined(TORCH_BQ_AVX2)
   std::vector<Fp4IntActivation> int_a;
@@ -1850,8 +1876,8 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
   }
 #endif
   run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
-    decode_rows<Fmt, S>(w, A, a_split, a_exp, fp4_int, M, t * kRowsPerTask, std::min(N, (t + 1) * kRowsPerTask), out,
-                        N);
+    decode_rows<Fmt, S>(w, A, a_split, a_stride, a_exp, fp4_int, M, t * kRowsPerTask,
+                        std::min(N, (t + 1) * kRowsPerTask), out, N);
   });
 }
 
