@@ -345,11 +345,13 @@ class Timer:
     order would hand each callable the leftovers of the same neighbour.
     """
 
-    def __init__(self, reps: int, evict: Evictor | None = None):
+    def __init__(self, reps: int, cache: Path | None = None):
+        """``cache``: where ``Evictor`` builds its library; ``None``: no eviction (the read alone)."""
         import torch
 
         self.reps = reps
-        self.evict = evict
+        self.evict = Evictor(cache) if cache is not None else None
+        self.cold_method = self.evict.method if self.evict is not None else "a read of twice the L3 only"
         self.flush = torch.ones(LLC_FLUSH_BYTES // 4)
 
     def __call__(self, fns: dict, cold=()) -> dict:
@@ -435,13 +437,12 @@ def bench_isa(isa: str, ggml_lib: Path, shapes, rows, reps: int, with_torchao: b
     staged = _backend.entry_module(kernels) or kernels  # the kernel calls without torch.ops where the build allows
     ggml = Ggml(ggml_lib)
     bandwidth = read_bandwidth()
-    evict = Evictor(cache)
+    timer = Timer(reps, cache)
     meta = {"isa": isa, "torch_bq_decode": ours, "ggml_isa": ggml.isa, "bandwidth": bandwidth,
-            "load_start": load(), "torch": torch.__version__, "huge_pages": huge_pages(), "cold": evict.method}
+            "load_start": load(), "torch": torch.__version__, "huge_pages": huge_pages(), "cold": timer.cold_method}
     print(f"[{isa}] torch_bq decode kernels: {ours}; ggml built with {'+'.join(ggml.isa)}; "
-          f"read bandwidth {bandwidth / 1e9:.1f} GB/s; cold cache: {evict.method}; load {meta['load_start']}",
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s; cold cache: {timer.cold_method}; load {meta['load_start']}",
           flush=True)
-    timer = Timer(reps, evict)
     results = []
     ao_note = "torchao not run"
     for n, k in shapes:
@@ -689,9 +690,8 @@ def crossover(shapes, rows, reps: int, cache: Path) -> None:
     from torch_bq.ops.cpu import linear as fast
 
     kernels = one_thread_kernels("load average")
-    evict = Evictor(cache)
-    print(f"cold cache: {evict.method}")
-    timer = Timer(reps, evict)
+    timer = Timer(reps, cache)
+    print(f"cold cache: {timer.cold_method}")
     print("| shape | M | fp8 decode | fp8 prefill | fp4 decode | fp4 prefill |  (kernel call, ms per row)")
     print("|---|---:|---:|---:|---:|---:|")
     for n, k in shapes:
@@ -728,9 +728,8 @@ def cliff_check(shapes, rows, reps: int, cache: Path) -> None:
 
     kernels = one_thread_kernels(f"{reps} rounds, medians; load average")
     staged = _backend.entry_module(kernels) or kernels
-    evict = Evictor(cache)
-    print(f"cold cache: {evict.method}")
-    timer = Timer(reps, evict)
+    timer = Timer(reps, cache)
+    print(f"cold cache: {timer.cold_method}")
     flagged = []
     for n, k in shapes:
         (d8, s8, p4, s4), (d8b, s8b, p4b, s4b) = quantized_weights(n, k)

@@ -120,6 +120,12 @@ inline float f32_from_bits(uint32_t b) {
   return f;
 }
 
+// p rounded up to the next 64-byte boundary (callers leave that much room).
+template <class T>
+inline T* cache_line_aligned(T* p) {
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+}
+
 inline uint32_t bits_from_f32(float f) {
   uint32_t b;
   std::memcpy(&b, &f, sizeof b);
@@ -534,8 +540,13 @@ struct Fp4IntActivation {
   // -9 - t; padding, float and all-zero blocks copy another block's value,
   // so that they never narrow the scale codes a row may have.
   std::vector<int32_t> bias;
-  std::vector<int32_t> fix;  // the groups with a float block, ascending
-  std::vector<float> rest;   // [fix.size() * 64] their A as fp4_groups64 reads it, zero in the int blocks
+  // The groups with a float block, ascending, each with the lanes of group64_dot that
+  // hold its float blocks (lanes 0-3: the first block, 4-7: the second).
+  struct Fix {
+    int64_t g;
+    __m256 lanes;
+  };
+  std::vector<Fix> fix;
   int64_t groups = 0;
   int64_t float_blocks = 0;
   // The scale codes a row may have for the int path: code + bias in 1..223
@@ -588,7 +599,6 @@ inline bool prepare_fp4_int(const float* a, int64_t K, Fp4IntActivation& p) {
   p.a.assign(groups * 64, 0);
   p.bias.assign(chunks * 8, neutral);
   p.fix.clear();
-  p.rest.clear();
   p.float_blocks = 0;
   static constexpr int kRegisterOffset[4] = {0, 2, 1, 3};
   for (int64_t b = 0; b < blocks; ++b) {
@@ -605,13 +615,10 @@ inline bool prepare_fp4_int(const float* a, int64_t K, Fp4IntActivation& p) {
   for (int64_t g = groups; g < chunks * 4; ++g)  // the partial chunk's padding: as its first block (and code)
     p.bias[(g / 4) * 8 + (g % 4)] = p.bias[(g / 4) * 8 + 4 + (g % 4)] = p.bias[(g / 4) * 8];
   for (int64_t g = 0; g < groups; ++g) {
-    if (kind[2 * g] != 2 && kind[2 * g + 1] != 2) continue;
-    p.fix.push_back(int32_t(g));
-    for (int i = 0; i < 8; ++i)
-      for (int l = 0; l < 8; ++l) {
-        const int e = Fp4Format::group64_element(i, l);
-        p.rest.push_back(kind[2 * g + e / 32] == 2 ? a[64 * g + e] : 0.0f);
-      }
+    const bool first = kind[2 * g] == 2, second = kind[2 * g + 1] == 2;
+    if (first || second)
+      p.fix.push_back({g, _mm256_castsi256_ps(_mm256_set_m128i(_mm_set1_epi32(second ? -1 : 0),
+                                                                _mm_set1_epi32(first ? -1 : 0)))});
   }
   return true;
 }
@@ -655,13 +662,15 @@ inline void fp4_int_group(const uint8_t* const* rows, const int16_t* const* a, i
 }
 
 // MT activation rows (act[0, MT)) x NT weight rows: the int path over groups
-// [0, K / 64), then the float path over each row's fix list. False (acc
+// [0, K / 64), then the float path over each row's fix list (against a_perm,
+// the activation as fp4_groups64 reads it; the int blocks' lanes get a zero
+// scale: their int16 A already counted them). False (acc
 // untouched) when a weight row has a scale code outside some activation
 // row's [lowest_code, highest_code] among those blocks: the caller's float
 // path takes such tiles.
 template <int MT, int NT>
 bool fp4_groups64_int(const uint8_t* const* rows, const uint8_t* const* scale_rows, const Fp4IntActivation* act,
-                      __m256 (&acc)[MT][NT], const uint8_t* ahead) {
+                      const float* const* a_perm, __m256 (&acc)[MT][NT], const uint8_t* ahead) {
   const int64_t groups = act[0].groups;
   const int16_t* a[MT];
   for (int i = 0; i < MT; ++i) a[i] = act[i].a.data();
@@ -728,14 +737,12 @@ bool fp4_groups64_int(const uint8_t* const* rows, const uint8_t* const* scale_ro
     }
   }
   for (int i = 0; i < MT; ++i) {
-    const float* rest = act[i].rest.data();
-    for (size_t f = 0; f < act[i].fix.size(); ++f) {
-      const int64_t g = act[i].fix[f];
-      const float* af = rest + 64 * f;
+    for (const Fp4IntActivation::Fix& f : act[i].fix) {
       for (int j = 0; j < NT; ++j) {
         __m256 w[8];
-        Fp4Format::decode64_bf16(rows[j] + g * 32, w);
-        acc[i][j] = _mm256_fmadd_ps(group64_dot(w, af), group64_scales(scale_rows[j] + 2 * g), acc[i][j]);
+        Fp4Format::decode64_bf16(rows[j] + f.g * 32, w);
+        const __m256 sv = _mm256_and_ps(group64_scales(scale_rows[j] + 2 * f.g), f.lanes);
+        acc[i][j] = _mm256_fmadd_ps(group64_dot(w, a_perm[i] + f.g * 64), sv, acc[i][j]);
       }
     }
   }
@@ -820,7 +827,7 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
           bool done = false;
           if constexpr (MT <= kFp4IntMaxM) {
             if (fp4_int != nullptr) {
-              done = fp4_groups64_int<MT, NT>(rows, srows, fp4_int + m0, acc, ahead);
+              done = fp4_groups64_int<MT, NT>(rows, srows, fp4_int + m0, a_perm, acc, ahead);
               if (!done) fp4_int_calls[2].fetch_add(1, std::memory_order_relaxed);  // a scale code out of its range
             }
           }
@@ -967,7 +974,7 @@ struct PermutedActivation {
     stride = (K + 15) / 16 * 16;
     if (stride % 1024 == 0) stride += 16;
     buf.resize(M * stride + 16);
-    data = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+    data = cache_line_aligned(buf.data());
   }
 };
 
@@ -1787,7 +1794,7 @@ bool decode_with(const WeightView& w, const float* A, int64_t M, int64_t N, floa
   std::vector<uint16_t> own;
   std::vector<uint16_t>& a_buffer = words <= kKeptWords ? kept : own;
   if (static_cast<int64_t>(a_buffer.size()) < words) a_buffer.resize(words);
-  uint16_t* a = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(a_buffer.data()) + 63) & ~uintptr_t(63));
+  uint16_t* a = cache_line_aligned(a_buffer.data());
   int a_max_field = 0;
   const int a_min_field = prepare_activation<D>(A, M, w.K, kp, a_stride, a, &a_max_field);
   if (a_min_field < 0 || (a_min_field != 255 && a_min_field - 127 < D::kMinExponentA)) return false;
@@ -1844,6 +1851,7 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
   const float* a_split = nullptr;  // the permuted copy of A, rows a_stride apart (AVX2 builds)
   int64_t a_stride = 0;
   int a_exp = -1;  // >= 0: the copy was multiplied by 2**a_exp for fp8_blocks32_factored (M = 1)
+  const Fp4IntActivation* fp4_int = nullptr;  // the int path's A (AVX2 builds, MXFP4 at M <= kFp4IntMaxM)
 #if defined(TORCH_BQ_AVX2)
   PermutedActivation split;
   if constexpr (std::is_same_v<S, uint8_t>) {
@@ -1858,9 +1866,6 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
   }
   a_split = split.data;
   a_stride = split.stride;
-#endif
-  const Fp4IntActivation* fp4_int = nullptr;
-#if defined(TORCH_BQ_AVX2)
   std::vector<Fp4IntActivation> int_a;
   if constexpr (std::is_same_v<Fmt, Fp4Format> && std::is_same_v<S, uint8_t>) {
     if (M <= kFp4IntMaxM) {  // every row must have an int block, else the float path for all
@@ -2170,8 +2175,7 @@ inline at::Tensor packed_a_buffer(int64_t count) {
   if (count * 4 > kKeptPackBytes) return at::empty({count}, at::TensorOptions().dtype(at::kInt));
   thread_local std::vector<int32_t> kept;
   if (static_cast<int64_t>(kept.size()) < count + 16) kept.resize(count + 16);
-  const uintptr_t base = reinterpret_cast<uintptr_t>(kept.data());
-  return at::from_blob(reinterpret_cast<int32_t*>((base + 63) & ~uintptr_t(63)), {count},
+  return at::from_blob(cache_line_aligned(kept.data()), {count},
                        at::TensorOptions().dtype(at::kInt));
 }
 
