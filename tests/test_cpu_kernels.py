@@ -1080,6 +1080,32 @@ def test_qdq_property_bit_exact(impl, x_data, k, peak):
     assert torch.equal(bits(got), bits(other))
 
 
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("peak", [224.0, 448.0, 4.0])
+def test_prefill_applies_the_qdq_bit_exactly(level, peak):
+    """The prefill path qdq's A as it packs it (at the AVX-512 levels 32 bf16 lanes at a time,
+    with the e4m3-subnormal lanes taken apart). With W the identity (exact in fp8) each output
+    is one product, 1 * A[m, k], so the output is qdq_fp8(x) bit for bit: a lane the pack
+    rounded differently, a block it scaled differently, or a tail it lost fails here (up to the
+    sign of zero)."""
+    k = 170  # five full 32-blocks and a partial one
+    m = max(limits["fp8"] for limits in fast.DECODE_MAX_M.values()) + 3  # the prefill path
+    torch.manual_seed(int(peak))
+    x = (torch.randn(m, k) * torch.logspace(-8, 8, k)).clamp(-6e4, 6e4)
+    x[0, :32] = 0.0  # the amax floor
+    x[1, :] = torch.arange(k) * 0.015625 / 8 * (1 + torch.arange(k) % 3)  # e4m3 subnormal steps and ties
+    x[2, :64] = 2.0 ** -6 * (1 - 2 * (torch.arange(64) % 2))  # at the subnormal / normal bound
+    x[3, :] = peak * (1 + torch.arange(k) / 64)  # rounding up into the next binade
+    x[4:, :32] *= torch.logspace(-6, 0, 32)  # one large lane, many small ones: mixed blocks
+    d, s = formats.quantize_fp8(torch.eye(k))
+    assert torch.equal(formats.dequantize_fp8(d, s, (32, 32), torch.float32), torch.eye(k))
+    before = prefill_counts(level)
+    y = FP8[level](x, d, s, None, [32, 32], True, peak, torch.bfloat16)
+    assert (prefill_counts(level) - before).sum() > 0
+    # + 0.0: the sum of a product -0 and the zero products is +0
+    assert torch.equal(bits(y), bits(formats.qdq_fp8(x, peak) + 0.0))
+
+
 def test_qdq_leading_dims_and_errors():
     x = torch.randn(2, 3, 70)
     assert torch.equal(bits(fast.qdq_fp8(x, 224.0)), bits(formats.qdq_fp8(x.reshape(6, 70), 224.0)).reshape(2, 3, 70))
