@@ -2262,11 +2262,12 @@ template <int NR, int MV, class Job>
 __attribute__((noinline)) void dot_tile(const uint16_t* w, int64_t ws, const uint32_t* a, int64_t as, int64_t kp,
                                         float* c, int64_t ldc, bool accumulate, __mmask16 tail, Job* job,
                                         int64_t steps) {
+  // The chains start from zero and C^T is added once at the end: loaded first, from L2 (the
+  // task's C^T is 96 x M floats), its loads held up every chain at each of the 16 tiles x
+  // blocks calls per chunk (M = 128-512: the calls 0.4-2.7% faster this way).
   __m512 acc[NR][MV];
   for (int r = 0; r < NR; ++r)
-    for (int v = 0; v < MV; ++v)
-      acc[r][v] = accumulate ? _mm512_maskz_loadu_ps(v == MV - 1 ? tail : __mmask16(0xFFFF), c + r * ldc + 16 * v)
-                             : _mm512_setzero_ps();
+    for (int v = 0; v < MV; ++v) acc[r][v] = _mm512_setzero_ps();
   // Runs of `interval` pairs without a branch, a job step after each (a step
   // inside the pair loop made GCC store every accumulator on each pair).
   const int64_t interval = steps > 0 ? std::max<int64_t>(1, kp / steps) : kp;
@@ -2291,8 +2292,11 @@ __attribute__((noinline)) void dot_tile(const uint16_t* w, int64_t ws, const uin
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int v = 0; v < MV; ++v)
-      _mm512_mask_storeu_ps(c + r * ldc + 16 * v, v == MV - 1 ? tail : __mmask16(0xFFFF), acc[r][v]);
+    for (int v = 0; v < MV; ++v) {
+      const __mmask16 lanes = v == MV - 1 ? tail : __mmask16(0xFFFF);
+      float* ct = c + r * ldc + 16 * v;
+      _mm512_mask_storeu_ps(ct, lanes, accumulate ? _mm512_add_ps(acc[r][v], _mm512_maskz_loadu_ps(lanes, ct)) : acc[r][v]);
+    }
   if constexpr (!std::is_same_v<Job, NoJob>) {
     for (; left > 0; --left) job->step();
   }
