@@ -2049,6 +2049,9 @@ struct ActivationSource {
     const int64_t left = K - k;
     const __mmask32 valid = left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
     const uint16_t* row = x + m * K + k;
+    // The pack reads 16 rows a cache line at a time each, more streams than the hardware
+    // prefetchers follow: the row's line 5 ahead (in-process A/B: 0.1-1.2% faster at M = 128-512).
+    if (left > 160) _mm_prefetch(reinterpret_cast<const char*>(row + 160), _MM_HINT_T0);
     if (!qdq) return _mm512_maskz_loadu_epi16(valid, row);
     __m512i y;
     if (left >= 32 && qdq_bf16x32(row, recip_peak, y)) return y;
