@@ -875,8 +875,15 @@ def int_tiles_per_row(m):
     return 1 if m <= 2 else -(-m // 4)
 
 
+def int_tiles(m, n):
+    """How many tiles an M-row call on n weight rows runs (fp4_int_counts()[3] when all take the
+    int path): four-row tiles and single rows at M <= 2 (16-row tasks hold whole four-row tiles)."""
+    return n // 4 + n % 4 if m <= 2 else n * int_tiles_per_row(m)
+
+
 def fp4_int_counts(level):
-    """[MXFP4 calls that took the int path, their float blocks, tiles that fell back for a scale code]."""
+    """[MXFP4 calls that took the int path, their float blocks, tiles that fell back for a scale code,
+    tiles that ran the int path]."""
     return torch.tensor(_backend.cpu_kernels(level).fp4_int_counts())
 
 
@@ -921,7 +928,7 @@ def test_fp4_int_path_one_hot_is_exact(level, k, value):
             torch.testing.assert_close(y, expected[columns], rtol=0, atol=0, msg=lambda e: f"columns {columns}: {e}")
         grown = fp4_int_counts(level) - before
         calls = sum(all((m + 37 * r) % k < whole for r in range(rows)) for m in starts)
-        assert grown.tolist() == [calls, 0, 0], rows
+        assert grown.tolist() == [calls, 0, 0, calls * int_tiles(rows, n)], rows
 
 
 @pytest.mark.parametrize("level", INT_LEVELS)
@@ -973,7 +980,7 @@ def test_fp4_int_path_falls_back_per_block_and_per_tile(level, k, codes, m):
     # float blocks: 1, 2 and 6 per row (block 5 and 3 fit); tiles that fell back: rows 4-7 and
     # row 12 (M <= 2), rows 5 and 12 from M = 3 (each in int_tiles_per_row(m) tiles)
     fallback = 0 if special is None else 2 * int_tiles_per_row(m)
-    assert grown.tolist() == [1, 3 * m, fallback], grown
+    assert grown.tolist() == [1, 3 * m, fallback, int_tiles(m, n) - fallback], grown
 
 
 @pytest.mark.parametrize("level", INT_LEVELS)
@@ -992,8 +999,9 @@ def test_fp4_int_path_runs_for_qdq_activations(level, monkeypatch):
             grown = fp4_int_counts(level) - before
             if m <= 16:
                 assert grown[0] == 1 and grown[1] <= m * k // 32 // 8 and grown[2] == 0, grown
+                assert grown[3] == int_tiles(m, n), grown
             else:
-                assert grown.tolist() == [0, 0, 0]
+                assert grown.tolist() == [0, 0, 0, 0]
             assert_linear_close(y, formats.qdq_fp8(x, 224.0), formats.dequantize_fp4(p, s, k, torch.float32))
 
 

@@ -775,9 +775,9 @@ bool fp4_groups64_int(const uint8_t* const* rows, const uint8_t* const* scale_ro
 
 // Decode-path counts of the int path above since load: [MXFP4 calls that
 // took it, their float blocks (multiplied by the correction pass), tiles that
-// fell back to fp4_groups64 for a scale code]; tests read them through the
-// fp4_int_counts op.
-std::atomic<int64_t> fp4_int_calls[3];
+// fell back to fp4_groups64 for a scale code, tiles that ran it]; tests read
+// them through the fp4_int_counts op.
+std::atomic<int64_t> fp4_int_calls[4];
 
 // Subnormal inputs read as zero (torch.set_flush_denormal(True) sets this).
 inline bool denormals_are_zero() { return (_mm_getcsr() & 0x0040) != 0; }
@@ -807,9 +807,10 @@ struct WeightView {
 
 // Elements [k0, k1) of block b: the vector pass covers [k0, vector_end) in
 // 16-wide chunks; the scalar pass covers the rest (all of it when the
-// block's folded scale would overflow).
+// block's folded scale would overflow). Returns 1 when the tile ran the AVX2
+// MXFP4 int path (fp4_groups64_int), else 0.
 template <class Fmt, class S, int MT, int NT>
-void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t a_stride, int a_exp,
+int dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t a_stride, int a_exp,
               const Fp4IntActivation* fp4_int, int64_t m0, int64_t n0, float* out, int64_t N) {
   const int64_t K = w.K;
   const uint8_t* rows[NT];
@@ -823,6 +824,7 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
   const int64_t nblocks = (K + w.bk - 1) / w.bk;
 
   float total[MT][NT];
+  int ran_int = 0;
   bool vector_skipped_a_block = false;
   // Single-row tiles are decode-bound: factor power-of-two (e8m0) scales out
   // of the block's dot product. Float32 scales are multiplied into each
@@ -851,6 +853,7 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
             if (fp4_int != nullptr) {
               done = fp4_groups64_int<MT, NT>(rows, srows, fp4_int + m0, a_perm, acc, ahead);
               if (!done) fp4_int_calls[2].fetch_add(1, std::memory_order_relaxed);  // a scale code out of its range
+              ran_int = done;
             }
           }
           b = done ? 2 * (K / 64) : fp4_groups64<MT, NT>(rows, srows, a_perm, K, acc, ahead);
@@ -940,6 +943,7 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
   }
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NT; ++j) out[(m0 + i) * N + n0 + j] = total[i][j];
+  return ran_int;
 }
 
 // All M rows of A against W[n:n+NT, :] in row tiles of near-equal height,
@@ -947,19 +951,21 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
 // or 3 (NT = 4, M <= 3): every tile decodes the weight
 // rows once more, so M = 8 q + r costs q + 1 decodes, never q + 2 or 3 (a
 // tile of 1 or 2 rows after the 8s and 4s was the M = 5 and M = 9 steps).
+// Returns how many of its tiles ran the int path.
 template <class Fmt, class S, int NT>
-void rows_tile(const WeightView& w, const float* A, const float* a_split, int64_t a_stride, int a_exp,
-               const Fp4IntActivation* fp4_int, int64_t M, int64_t n, float* out, int64_t N, int max_mt) {
+int rows_tile(const WeightView& w, const float* A, const float* a_split, int64_t a_stride, int a_exp,
+              const Fp4IntActivation* fp4_int, int64_t M, int64_t n, float* out, int64_t N, int max_mt) {
   const int max_rows = NT == 4 ? 3 : max_mt;
   const int64_t tiles = (M + max_rows - 1) / max_rows;
   int64_t m0 = 0;
+  int ran_int = 0;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t mt = (M - m0) / (tiles - t);
     switch (mt) {
 #define TORCH_BQ_ROWS(R)                                       \
   case R:                                                      \
     if constexpr (R <= (NT == 4 ? 3 : 8)) {                    \
-      dot_tile<Fmt, S, R, NT>(w, A, a_split, a_stride, a_exp, fp4_int, m0, n, out, N); \
+      ran_int += dot_tile<Fmt, S, R, NT>(w, A, a_split, a_stride, a_exp, fp4_int, m0, n, out, N); \
     }                                                          \
     break;
       TORCH_BQ_ROWS(1) TORCH_BQ_ROWS(2) TORCH_BQ_ROWS(3) TORCH_BQ_ROWS(4)
@@ -969,6 +975,7 @@ void rows_tile(const WeightView& w, const float* A, const float* a_split, int64_
     }
     m0 += mt;
   }
+  return ran_int;
 }
 
 template <class Fmt, class S>
@@ -978,11 +985,17 @@ void decode_rows(const WeightView& w, const float* A, const float* a_split, int6
   // The AVX2 MXFP4 int path (fp4_int set): four-row tiles at M <= 2 only,
   // single-row tiles of at most kFp4IntTileRows rows from M = 3.
   const bool int_path = fp4_int != nullptr;
+  int64_t int_tiles = 0;
   if (M <= (int_path ? kFp4IntWideMaxM : 3)) {  // decode-bound: share each A load across four weight rows
-    for (; n + 4 <= n_end; n += 4) rows_tile<Fmt, S, 4>(w, A, a_split, a_stride, a_exp, fp4_int, M, n, out, N, 3);
+    for (; n + 4 <= n_end; n += 4)
+      int_tiles += rows_tile<Fmt, S, 4>(w, A, a_split, a_stride, a_exp, fp4_int, M, n, out, N, 3);
   }
   const int max_mt = int_path ? kFp4IntTileRows : 8;
-  for (; n < n_end; ++n) rows_tile<Fmt, S, 1>(w, A, a_split, a_stride, a_exp, fp4_int, M, n, out, N, max_mt);
+  for (; n < n_end; ++n)
+    int_tiles += rows_tile<Fmt, S, 1>(w, A, a_split, a_stride, a_exp, fp4_int, M, n, out, N, max_mt);
+#if defined(TORCH_BQ_AVX2)
+  if (int_tiles != 0) fp4_int_calls[3].fetch_add(int_tiles, std::memory_order_relaxed);  // once per task
+#endif
 }
 
 #if defined(TORCH_BQ_AVX2)
@@ -3631,7 +3644,7 @@ std::vector<int64_t> prefill_counts() {
 
 std::vector<int64_t> fp4_int_counts() {
 #if defined(TORCH_BQ_AVX2)
-  return {fp4_int_calls[0].load(), fp4_int_calls[1].load(), fp4_int_calls[2].load()};
+  return {fp4_int_calls[0].load(), fp4_int_calls[1].load(), fp4_int_calls[2].load(), fp4_int_calls[3].load()};
 #else
   return {};
 #endif
