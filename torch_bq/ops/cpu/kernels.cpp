@@ -763,15 +763,18 @@ bool fp4_groups64_int(const uint8_t* const* rows, const uint8_t* const* scale_ro
 // 2880 x 2880, 14336 x 4096 or 4096 x 14336), time over the float path's:
 // * four-row tiles (NT = 4): 0.69-0.73 at M = 1, 0.81-0.83 at M = 2, 1.02-1.08
 //   at M = 3 (its 3 x 4 accumulators and scales no longer fit 16 registers);
-// * single-row tiles from M = 3 (NT = 1), of at most 8 rows: 0.81-0.88 at
-//   M = 3-16; at most 4 rows: 0.76-0.89 at M = 3-16 (the 5- to 8-row tiles
-//   spill accumulators: GCC keeps the scales in registers); two weight rows x
-//   3 rows at M = 3: no better than one; the scales kept in memory (vpshufd
-//   reads them) to free registers for 8-row tiles: no better;
-// * the weight row's int16 words decoded once into an L1 buffer for all of
-//   its row tiles (from M = 5): 1.15-1.44x the time of decoding them in each
-//   tile at M = 5, the same at M = 12-16 (4 stores and 4 extra loads per group
-//   against the decode's 10 instructions; 28 KiB per row at K = 14336).
+// * single-row tiles from M = 3 (NT = 1), at most 4 rows (kFp4IntTileRows):
+//   0.75-0.90 at M = 3-16 on five shapes (0.65 at 4096 x 14336 M = 16, a
+//   step of the float path there); at most 8 rows: 0.02-0.09 slower at M = 6-16
+//   (GCC keeps the 8 scale vectors in registers and spills the
+//   accumulators); the scales kept in memory (an asm memory clobber, vpshufd
+//   reads them) to free registers for tall tiles: no better; two weight rows
+//   x 3 rows at M = 3: slower than one (0.81-0.88 against 0.74-0.81);
+// * the weight row's int16 words decoded once into a thread-local buffer for
+//   all of its row tiles (from M = 5): 1.13-1.38x the time of decoding them
+//   in each tile at M = 5, the same at M = 12-16 (4 stores and 4 extra loads
+//   per group against the decode's 10 instructions; 28 KiB per row at
+//   K = 14336). Not kept.
 
 // Decode-path counts of the int path above since load: [MXFP4 calls that
 // took it, their float blocks (multiplied by the correction pass), tiles that
