@@ -861,13 +861,29 @@ def test_fp4_extreme_scale_codes(impl, m, low, path):
     assert_linear_close(y, x.to(torch.bfloat16), w)
 
 
-# The levels whose MXFP4 decode at M = 1 and 2 runs the exact int16 dot products (kernels.cpp,
+# The levels whose MXFP4 decode at M = 1-16 runs the exact int16 dot products (kernels.cpp,
 # fp4_groups64_int): AVX2 without AVX-512 BF16 (that level has its own bf16 kernels).
 INT_LEVELS = [level for level in LEVELS if level in ("avx2", "avx512")]
+# Row counts for the int path's tiles: NT = 4 weight rows x MT = 1, 2 at M <= 2 (and NT = 1
+# for the rows left over); from M = 3 NT = 1 x MT = 2-4 in near-equal row tiles (5: 3 + 2,
+# 6: 3 + 3, 7: 4 + 3, 9: 3 + 3 + 3, 13: 4 + 3 + 3 + 3, 16: 4 x 4).
+INT_ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16]
+
+
+def int_tiles_per_row(m):
+    """How many tiles the AVX2 int path runs per weight row (tile) for an M-row call."""
+    return 1 if m <= 2 else -(-m // 4)
+
+
+def int_tiles(m, n):
+    """How many tiles an M-row call on n weight rows runs (fp4_int_counts()[3] when all take the
+    int path): four-row tiles and single rows at M <= 2 (16-row tasks hold whole four-row tiles)."""
+    return n // 4 + n % 4 if m <= 2 else n * int_tiles_per_row(m)
 
 
 def fp4_int_counts(level):
-    """[MXFP4 calls that took the int path, their float blocks, tiles that fell back for a scale code]."""
+    """[MXFP4 calls that took the int path, their float blocks, tiles that fell back for a scale code,
+    tiles that ran the int path]."""
     return torch.tensor(_backend.cpu_kernels(level).fp4_int_counts())
 
 
@@ -883,8 +899,8 @@ def every_nibble(n, k):
 @pytest.mark.parametrize("k", [512, 416, 480, 97 + 256])
 @pytest.mark.parametrize("value", [1.0, -1.5 * 2.0**-20, 1.75 * 2.0**40, 2.0**-113])
 def test_fp4_int_path_one_hot_is_exact(level, k, value):
-    """M = 1 and 2 through the int path: a one-hot activation row (a single nonzero: t = 14 - its
-    exponent) picks one weight column, every nibble at every position of the 64-groups (two 4-group
+    """M = 1-16 (INT_ROWS) through the int path: a one-hot activation row (a single nonzero: t = 14 - its
+    exponent) picks one weight column (row r of a call: column m + 37 r), every nibble at every position of the 64-groups (two 4-group
     scale chunks; partial chunks of 2, 3 and 1 groups at K = 416, 480 (and a trailing block)
     and 353 (and a partial block and the padding nibble)) under scale codes that keep the int
     path's factor 2**(code - 136 - t) normal; compared exactly with value * the dequantized
@@ -901,23 +917,24 @@ def test_fp4_int_path_one_hot_is_exact(level, k, value):
     expected = (w * value).t()
     assert torch.isfinite(expected).all() and (expected.abs().max() < 2.0**127)
     whole = k // 64 * 64  # the columns of whole 64-groups
-    for rows in (1, 2):
+    for rows in INT_ROWS:
         before = fp4_int_counts(level)
-        for m in range(k):
-            columns = [m, (m + 37) % k][:rows]
+        starts = range(k) if rows <= 2 else range(rows % 5, k, 5)  # every column, or every fifth from M = 3
+        for m in starts:
+            columns = [(m + 37 * r) % k for r in range(rows)]
             x = torch.zeros(rows, k)
             x[torch.arange(rows), columns] = value
             y = FP4[level](x, packed, scale, None, False, 224.0, torch.float32)
             torch.testing.assert_close(y, expected[columns], rtol=0, atol=0, msg=lambda e: f"columns {columns}: {e}")
         grown = fp4_int_counts(level) - before
-        calls = sum(all(c < whole for c in [m, (m + 37) % k][:rows]) for m in range(k))
-        assert grown.tolist() == [calls, 0, 0], rows
+        calls = sum(all((m + 37 * r) % k < whole for r in range(rows)) for m in starts)
+        assert grown.tolist() == [calls, 0, 0, calls * int_tiles(rows, n)], rows
 
 
 @pytest.mark.parametrize("level", INT_LEVELS)
 @pytest.mark.parametrize("k", [64 * 9, 64 * 9 + 32, 64 * 11 + 37])
 @pytest.mark.parametrize("codes", ["ordinary", "tiny", "huge", "nan"])
-@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16])
 def test_fp4_int_path_falls_back_per_block_and_per_tile(level, k, codes, m):
     """M = 1 with activation blocks the int path cannot take (exponents 2**22 or 2**23 apart: no
     int16 holds both; a bf16 subnormal) next to an all-zero block, blocks at the edge of the int16
@@ -948,7 +965,10 @@ def test_fp4_int_path_falls_back_per_block_and_per_tile(level, k, codes, m):
     x[0, 170] = 2.0**16 + 2.0**9
     x[0, 200] = 2.0**-20  # block 6: ordinary values next to 2**-20: float
     assert torch.equal(x, x.to(torch.bfloat16).float()) and x[0, 70] != 0
-    x = torch.cat([x, x.roll(64, 1)])[:m]  # row 2: the same blocks one group on (float blocks 3, 4, 8)
+    # row 2: the same blocks one group on (float blocks 3, 4, 8); rows 3 and 4 two and three groups
+    # on; then the same four negated, then those eight halved (every block keeps its kind; no
+    # larger values: the "huge" rows' float path overflows fp32 near 2**128)
+    x = torch.cat([x.roll(64 * (i % 4), 1) * (-1.0) ** (i // 4) * 0.5 ** ((i // 8) % 2) for i in range(m)])
     a = x.to(torch.bfloat16)
     w = formats.dequantize_fp4(packed, scale, k, torch.float32)
     before = fp4_int_counts(level)
@@ -957,26 +977,31 @@ def test_fp4_int_path_falls_back_per_block_and_per_tile(level, k, codes, m):
     finite = torch.isfinite(w).all(dim=1)
     assert torch.isnan(y[:, ~finite]).all()
     assert_linear_close(y[:, finite], a, w[finite], msg=f"{codes} K={k}")
-    # float blocks: 1, 2 and 6 per row (block 5 and 3 fit); tiles that fell back: rows 4-7 and row 12
-    assert grown.tolist() == [1, 3 * m, 0 if special is None else 2], grown
+    # float blocks: 1, 2 and 6 per row (block 5 and 3 fit); tiles that fell back: rows 4-7 and
+    # row 12 (M <= 2), rows 5 and 12 from M = 3 (each in int_tiles_per_row(m) tiles)
+    fallback = 0 if special is None else 2 * int_tiles_per_row(m)
+    assert grown.tolist() == [1, 3 * m, fallback, int_tiles(m, n) - fallback], grown
 
 
 @pytest.mark.parametrize("level", INT_LEVELS)
-def test_fp4_int_path_runs_for_qdq_activations(level):
+def test_fp4_int_path_runs_for_qdq_activations(level, monkeypatch):
     """The int path serves qdq'd activations (the decode case it is for) and ordinary weights with
-    no fallback at M = 1 and 2, at the K of the benchmarks' layers; M = 3 takes the float path."""
+    no fallback at M = 1-16, at the K of the benchmarks' layers; M = 17 (on the decode path here)
+    takes the float path."""
+    monkeypatch.setattr(fast, "decode_max_m", lambda kernels, fmt, k: 1 << 30)
     torch.manual_seed(3)
     for n, k in ((64, 2880), (36, 4096)):
         p, s = formats.quantize_fp4(torch.randn(n, k))
-        for m in (1, 2, 3):
+        for m in (1, 2, 3, 4, 8, 16, 17):
             x = torch.randn(m, k)
             before = fp4_int_counts(level)
             y = FP4[level](x, p, s, None, True, 224.0, torch.float32)
             grown = fp4_int_counts(level) - before
-            if m <= 2:
+            if m <= 16:
                 assert grown[0] == 1 and grown[1] <= m * k // 32 // 8 and grown[2] == 0, grown
+                assert grown[3] == int_tiles(m, n), grown
             else:
-                assert grown.tolist() == [0, 0, 0]
+                assert grown.tolist() == [0, 0, 0, 0]
             assert_linear_close(y, formats.qdq_fp8(x, 224.0), formats.dequantize_fp4(p, s, k, torch.float32))
 
 

@@ -36,6 +36,8 @@
 //   Tiles: NT = 4 weight rows x MT = M activation rows when M <= 3 (decode-
 //   bound: one A load serves four rows), else NT = 1 x MT <= 8 in row tiles
 //   of near-equal height (FMA-bound: one decode serves up to eight rows).
+//   MXFP4 on the AVX2 int path (below) instead: NT = 4 at M <= 2, from M = 3
+//   NT = 1 x MT <= 4.
 //   Single-row tiles with e8m0 scales factor the (power-of-two) scale out of
 //   each block's partial sum, which is exact.
 //   With 32-wide e8m0 blocks, tiles of every shape run the F16C-free
@@ -73,9 +75,10 @@
 //        remainders only). Whole 64-groups avoid F16C (the M = 1 limit):
 //        two vpshufb give both bytes of the bf16 encoding, and a bf16 word
 //        is an fp32 after one shift or mask (Fp4Format::decode64_bf16).
-//        At M <= 2 (kFp4IntMaxM) whole 64-groups take exact int16 dot
-//        products instead: vpshufb gives W * 2 as int8, vpmaddwd multiplies
-//        it with A * 2**t held as int16 per block (fp4_groups64_int).
+//        At M <= 16 (kFp4IntMaxM, the avx2 decode limit) whole 64-groups
+//        take exact int16 dot products instead: vpshufb gives W * 2 as int8,
+//        vpmaddwd multiplies it with A * 2**t held as int16 per block
+//        (fp4_groups64_int).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -519,8 +522,10 @@ int64_t fp4_groups64(const uint8_t* const* rows, const uint8_t* const* scale_row
 // (about 21 against about 31 on the float path, fp4_groups64). Measured on a
 // Zen 5 at the avx2 level, cold weights, 1 thread: 0.69-0.75 of the float
 // path's time at M = 1 (4096 x 4096: 479 against 655 us), 0.81-0.83 at
-// M = 2 (kFp4IntMaxM). The time follows the instruction count (no single
-// port limits it: with the vpmaddwd replaced by adds it ran as fast).
+// M = 2. The time follows the instruction count (no single port limits it:
+// with the vpmaddwd replaced by adds it ran as fast). From M = 3 the tiles
+// are one weight row x at most 4 activation rows (kFp4IntTileRows): see
+// the measurements after this function.
 //
 // Fp4IntActivation holds an A row prepared once per call (prepare_fp4_int): the
 // int16 A in the order the decoder produces, per block -9 - t (the exponent
@@ -749,27 +754,47 @@ bool fp4_groups64_int(const uint8_t* const* rows, const uint8_t* const* scale_ro
   return true;
 }
 
-// The most activation rows the int path takes. Per activation row it costs
-// 4 vpmaddwd, 3 adds, a conversion, a shuffle and a multiply-add against the
-// float path's 8 multiplies / multiply-adds, an add and a multiply-add: it
-// gains on the decode, which a tile shares among its rows. Measured on a
-// Zen 5 (avx2 level, 4-row tiles, cold weights, 4096 x 4096, 2880 x 2880,
-// 14336 x 4096): time over the float path's 0.69-0.73 at M = 1, 0.81-0.83 at
-// M = 2, 1.02-1.08 at M = 3 (its 3 x 4 accumulators and scales no longer
-// fit the 16 registers).
-constexpr int kFp4IntMaxM = 2;
+// Tile shapes of the int path (kFp4IntMaxM, kFp4IntWideMaxM, kFp4IntTileRows).
+// Per activation row it costs 4 vpmaddwd, 3 adds, a conversion, a shuffle and
+// a multiply-add against the float path's 8 multiplies / multiply-adds, an
+// add and a multiply-add: it gains on the decode (about 10 instructions per
+// 64-group and weight row against about 20), which a tile shares among its
+// rows. Measured on a Zen 5 (avx2 level, cold weights, 1 thread, 4096 x 4096,
+// 2880 x 2880, 14336 x 4096 or 4096 x 14336), time over the float path's:
+// * four-row tiles (NT = 4): 0.69-0.73 at M = 1, 0.81-0.83 at M = 2, 1.02-1.08
+//   at M = 3 (its 3 x 4 accumulators and scales no longer fit 16 registers);
+// * single-row tiles from M = 3 (NT = 1), at most 4 rows (kFp4IntTileRows):
+//   0.75-0.90 at M = 3-16 on five shapes (0.65 at 4096 x 14336 M = 16, a
+//   step of the float path there); at most 8 rows: 0.02-0.09 slower at M = 6-16
+//   (GCC keeps the 8 scale vectors in registers and spills the
+//   accumulators); the scales kept in memory (an asm memory clobber, vpshufd
+//   reads them) to free registers for tall tiles: no better; two weight rows
+//   x 3 rows at M = 3: slower than one (0.81-0.88 against 0.74-0.81);
+// * the weight row's int16 words decoded once into a thread-local buffer for
+//   all of its row tiles (from M = 5): 1.13-1.38x the time of decoding them
+//   in each tile at M = 5, the same at M = 12-16 (4 stores and 4 extra loads
+//   per group against the decode's 10 instructions; 28 KiB per row at
+//   K = 14336). Not kept.
 
 // Decode-path counts of the int path above since load: [MXFP4 calls that
 // took it, their float blocks (multiplied by the correction pass), tiles that
-// fell back to fp4_groups64 for a scale code]; tests read them through the
-// fp4_int_counts op.
-std::atomic<int64_t> fp4_int_calls[3];
+// fell back to fp4_groups64 for a scale code, tiles that ran it]; tests read
+// them through the fp4_int_counts op.
+std::atomic<int64_t> fp4_int_calls[4];
 
 // Subnormal inputs read as zero (torch.set_flush_denormal(True) sets this).
 inline bool denormals_are_zero() { return (_mm_getcsr() & 0x0040) != 0; }
 #endif
 
-struct Fp4IntActivation;  // one row's int16 activation for the AVX2 MXFP4 path at M <= 2
+struct Fp4IntActivation;  // one row's int16 activation for the AVX2 MXFP4 path (M <= kFp4IntMaxM)
+
+// The AVX2 MXFP4 int path's reach (fp4_groups64_int): calls of up to
+// kFp4IntMaxM rows (the avx2 decode limit, DECODE_MAX_M in linear.py); four
+// weight rows x 1-2 activation rows at M <= kFp4IntWideMaxM, from M = 3 one
+// weight row x near-equal row tiles of at most kFp4IntTileRows rows.
+constexpr int kFp4IntMaxM = 16;
+constexpr int kFp4IntWideMaxM = 2;
+constexpr int kFp4IntTileRows = 4;
 
 struct WeightView {
   const uint8_t* data;  // [N, row_bytes(K)]
@@ -785,9 +810,10 @@ struct WeightView {
 
 // Elements [k0, k1) of block b: the vector pass covers [k0, vector_end) in
 // 16-wide chunks; the scalar pass covers the rest (all of it when the
-// block's folded scale would overflow).
+// block's folded scale would overflow). Returns 1 when the tile ran the AVX2
+// MXFP4 int path (fp4_groups64_int), else 0.
 template <class Fmt, class S, int MT, int NT>
-void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t a_stride, int a_exp,
+int dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t a_stride, int a_exp,
               const Fp4IntActivation* fp4_int, int64_t m0, int64_t n0, float* out, int64_t N) {
   const int64_t K = w.K;
   const uint8_t* rows[NT];
@@ -801,6 +827,7 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
   const int64_t nblocks = (K + w.bk - 1) / w.bk;
 
   float total[MT][NT];
+  int ran_int = 0;
   bool vector_skipped_a_block = false;
   // Single-row tiles are decode-bound: factor power-of-two (e8m0) scales out
   // of the block's dot product. Float32 scales are multiplied into each
@@ -825,10 +852,11 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
         for (int i = 0; i < MT; ++i) a_perm[i] = a_split + (m0 + i) * a_stride;
         if constexpr (std::is_same_v<Fmt, Fp4Format>) {
           bool done = false;
-          if constexpr (MT <= kFp4IntMaxM) {
+          if constexpr ((NT == 4 && MT <= kFp4IntWideMaxM) || (NT == 1 && MT <= kFp4IntTileRows)) {
             if (fp4_int != nullptr) {
               done = fp4_groups64_int<MT, NT>(rows, srows, fp4_int + m0, a_perm, acc, ahead);
               if (!done) fp4_int_calls[2].fetch_add(1, std::memory_order_relaxed);  // a scale code out of its range
+              ran_int = done;
             }
           }
           b = done ? 2 * (K / 64) : fp4_groups64<MT, NT>(rows, srows, a_perm, K, acc, ahead);
@@ -918,25 +946,29 @@ void dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t
   }
   for (int i = 0; i < MT; ++i)
     for (int j = 0; j < NT; ++j) out[(m0 + i) * N + n0 + j] = total[i][j];
+  return ran_int;
 }
 
 // All M rows of A against W[n:n+NT, :] in row tiles of near-equal height,
-// at most 8 (NT = 1) or 3 (NT = 4, M <= 3): every tile decodes the weight
+// at most max_mt (NT = 1: 8, or kFp4IntTileRows on the AVX2 MXFP4 int path)
+// or 3 (NT = 4, M <= 3): every tile decodes the weight
 // rows once more, so M = 8 q + r costs q + 1 decodes, never q + 2 or 3 (a
 // tile of 1 or 2 rows after the 8s and 4s was the M = 5 and M = 9 steps).
+// Returns how many of its tiles ran the int path.
 template <class Fmt, class S, int NT>
-void rows_tile(const WeightView& w, const float* A, const float* a_split, int64_t a_stride, int a_exp,
-               const Fp4IntActivation* fp4_int, int64_t M, int64_t n, float* out, int64_t N) {
-  constexpr int kMaxMT = NT == 4 ? 3 : 8;
-  const int64_t tiles = (M + kMaxMT - 1) / kMaxMT;
+int rows_tile(const WeightView& w, const float* A, const float* a_split, int64_t a_stride, int a_exp,
+              const Fp4IntActivation* fp4_int, int64_t M, int64_t n, float* out, int64_t N, int max_mt) {
+  const int max_rows = NT == 4 ? 3 : max_mt;
+  const int64_t tiles = (M + max_rows - 1) / max_rows;
   int64_t m0 = 0;
+  int ran_int = 0;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t mt = (M - m0) / (tiles - t);
     switch (mt) {
 #define TORCH_BQ_ROWS(R)                                       \
   case R:                                                      \
-    if constexpr (R <= kMaxMT) {                               \
-      dot_tile<Fmt, S, R, NT>(w, A, a_split, a_stride, a_exp, fp4_int, m0, n, out, N); \
+    if constexpr (R <= (NT == 4 ? 3 : 8)) {                    \
+      ran_int += dot_tile<Fmt, S, R, NT>(w, A, a_split, a_stride, a_exp, fp4_int, m0, n, out, N); \
     }                                                          \
     break;
       TORCH_BQ_ROWS(1) TORCH_BQ_ROWS(2) TORCH_BQ_ROWS(3) TORCH_BQ_ROWS(4)
@@ -946,16 +978,27 @@ void rows_tile(const WeightView& w, const float* A, const float* a_split, int64_
     }
     m0 += mt;
   }
+  return ran_int;
 }
 
 template <class Fmt, class S>
 void decode_rows(const WeightView& w, const float* A, const float* a_split, int64_t a_stride, int a_exp,
                  const Fp4IntActivation* fp4_int, int64_t M, int64_t n_begin, int64_t n_end, float* out, int64_t N) {
   int64_t n = n_begin;
-  if (M <= 3) {  // decode-bound: share each A load across four weight rows
-    for (; n + 4 <= n_end; n += 4) rows_tile<Fmt, S, 4>(w, A, a_split, a_stride, a_exp, fp4_int, M, n, out, N);
+  // The AVX2 MXFP4 int path (fp4_int set): four-row tiles at M <= 2 only,
+  // single-row tiles of at most kFp4IntTileRows rows from M = 3.
+  const bool int_path = fp4_int != nullptr;
+  int64_t int_tiles = 0;
+  if (M <= (int_path ? kFp4IntWideMaxM : 3)) {  // decode-bound: share each A load across four weight rows
+    for (; n + 4 <= n_end; n += 4)
+      int_tiles += rows_tile<Fmt, S, 4>(w, A, a_split, a_stride, a_exp, fp4_int, M, n, out, N, 3);
   }
-  for (; n < n_end; ++n) rows_tile<Fmt, S, 1>(w, A, a_split, a_stride, a_exp, fp4_int, M, n, out, N);
+  const int max_mt = int_path ? kFp4IntTileRows : 8;
+  for (; n < n_end; ++n)
+    int_tiles += rows_tile<Fmt, S, 1>(w, A, a_split, a_stride, a_exp, fp4_int, M, n, out, N, max_mt);
+#if defined(TORCH_BQ_AVX2)
+  if (int_tiles != 0) fp4_int_calls[3].fetch_add(int_tiles, std::memory_order_relaxed);  // once per task
+#endif
 }
 
 #if defined(TORCH_BQ_AVX2)
@@ -3611,7 +3654,7 @@ std::vector<int64_t> prefill_counts() {
 
 std::vector<int64_t> fp4_int_counts() {
 #if defined(TORCH_BQ_AVX2)
-  return {fp4_int_calls[0].load(), fp4_int_calls[1].load(), fp4_int_calls[2].load()};
+  return {fp4_int_calls[0].load(), fp4_int_calls[1].load(), fp4_int_calls[2].load(), fp4_int_calls[3].load()};
 #else
   return {};
 #endif
