@@ -1953,7 +1953,7 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 // them through the prefill_counts op to see which path a call took).
 std::atomic<int64_t> prefill_tiles[3];
 
-constexpr int64_t kTileRows = 64;   // W rows per task (the microkernel's M)
+constexpr int64_t kTileRows = 64;   // W rows per task (the fp32 microkernel's N: its vector dimension)
 constexpr int64_t kTileCols = 64;   // A rows per fp32 microkernel call (its M)
 constexpr int64_t kChunkElems = 1024;  // target K chunk
 
