@@ -2954,9 +2954,12 @@ constexpr int64_t kStripRows = 8;
 
 // The fp32 microkernel's panel: pt[k - k0, r] = W[n0 + r, k] (dequantized) for r < rows,
 // k0 <= k < k1, rows `rows` elements apart (the weight rows are the microkernel's vector
-// dimension). kStripRows rows are decoded at a time into `strip` (row-major, about L1's
-// size), then moved in kStripRows x kStripRows register transposes; leftover rows and
-// elements one by one.
+// dimension). kStripRows rows are decoded at a time into `strip` (row-major: 32 KiB with
+// AVX2, 64 KiB with AVX-512 at kc = 1024), then moved in kStripRows x kStripRows register
+// transposes; leftover rows and elements one by one. The transposes are this layout's
+// price: about 0.6-1.4 ms of a 4096 x 4096 call at AVX2 (docs/benchmarks.md, "AVX2 prefill
+// vectorized over weight rows"), which is what keeps M = 32-128 at 1.0-1.2x the old
+// layout's time where its A-row vectors were full.
 template <class Rows>
 void transposed_panel(const Rows& wr, int64_t n0, int64_t rows, int64_t k0, int64_t k1, float* pt,
                       std::vector<float>& strip) {
