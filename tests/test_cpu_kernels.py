@@ -579,6 +579,39 @@ def test_prefill_tile_edges(level, m, extra, k, block, scale_dtype, monkeypatch)
         assert int(grown[1]) == 0, grown  # e8m0 weights and normal A: all on the bf16 tiles
 
 
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("m", [16, 17, 63, 64, 65])
+def test_prefill_rows_around_vector_multiples(level, m, monkeypatch):
+    """The fp32 microkernel keeps C [M, Nt] (weight rows as its vector dimension, A rows as its
+    broadcast side) and the bf16 tiles C^T [Nt, M]; a row group whose later chunks leave the bf16
+    tiles (a weight row group 1 whose chunk 1 is tiny: products below 2**-126) moves its C^T
+    into C once. M around 16 and 64 (whole vectors and a remainder), N = two groups and 13 rows
+    (a partial group, not whole transposes), K = two chunks and 36 (a partial transposed block);
+    fp32 and bf16 outputs with a bias (the store that rounds into the op's output). A store or
+    transpose that used the wrong layout or stride misplaces terms, which the bound catches."""
+    monkeypatch.setattr(fast, "decode_max_m", lambda kernels, fmt, k: 0)  # every M on the prefill path
+    rows = _backend.cpu_kernels(level).prefill_task_rows()
+    n, k = 2 * rows + 13, 2 * 1024 + 36
+    torch.manual_seed(m)
+    data, codes = formats.quantize_fp8(torch.randn(n, k), (1, 32), torch.uint8)
+    codes = codes.clone()
+    codes[rows + 3, 1024 // 32 : 2048 // 32] = 5  # row group 1, chunk 1: weights 2**-122 and below
+    w = formats.dequantize_fp8(data, codes, (1, 32), torch.float32)
+    x = torch.randn(m, k)
+    bias = torch.randn(n)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        before = prefill_counts(level)
+        y = FP8[level](x, data, codes, bias, [1, 32], True, 224.0, out_dtype)
+        counts = (prefill_counts(level) - before).tolist()
+        assert_linear_close(y, operand(x, True), w, bias, msg=f"{level} M={m} {out_dtype}")
+        if level == "avx512_bf16":
+            assert counts[:2] == [2, 1], counts  # group 1 left the bf16 tiles after chunk 0
+        elif level != "generic":
+            assert counts[:2] == [0, 3], counts
+    y16 = BF16[level](x, w.to(torch.bfloat16), None, torch.bfloat16)
+    assert_linear_close(y16, x.to(torch.bfloat16), w.to(torch.bfloat16), msg=f"{level} M={m} bf16 weights")
+
+
 # --------------------------------------------------------------------------- #
 # every row count to 64 on each path, and the decode / panel boundary
 # --------------------------------------------------------------------------- #

@@ -1937,20 +1937,23 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 // columns n0 .. n0 + Nt; Nt = kDotTaskRows with AVX512_BF16, else kTileRows)
 // and computes each for all M rows of A, K chunk by K chunk:
 //   for each group, for k-chunk (kc elements, whole scale blocks; kc does not depend on K):
-//     panel[Nt, kc] = dequantize(W[n0:n0+Nt, k-chunk])        (L2-resident; bf16 W
-//                                                              with K even: W itself)
-//     C^T[Nt, M] (+)= panel x A^T[k-chunk, :]                 (fp32 accumulators)
-//   out[:, n0:n0+Nt] = (C^T)^T       (or round((C^T)^T + bias) into the op's output)
+//     bf16 tiles:  panel[Nt, kc] = dequantize(W[n0:n0+Nt, k-chunk])   (L2-resident; bf16 W
+//                                                                      with K even: W itself)
+//                  C^T[Nt, M] (+)= panel x A^T[k-chunk, :]             (fp32 accumulators)
+//     fp32 brgemm: panel^T[kc, Nt] = dequantize(W[n0:n0+Nt, k-chunk])^T
+//                  C[M, Nt] (+)= A[:, k-chunk] x panel^T               (fp32 accumulators)
+//   out[:, n0:n0+Nt] = C, or (C^T)^T where every chunk of the group ran the bf16 tiles
+//   (or the same rounded with the bias into the op's output)
 // With AVX512_BF16 the next panel of the task (next chunk, or the next group's
 // first) is decoded during the current chunk's multiply (PanelJob, dot_tile);
 // for bf16 weights read in place the job only scans it for the subnormal bound.
 // The GEMM of a chunk is single-threaded inside each task: the tasks are the
 // only parallelism, so no GEMM-internal barrier waits for a descheduled
-// thread. Accumulation is fp32 over the whole of K (C^T is fp32 and
+// thread. Accumulation is fp32 over the whole of K (C or C^T is fp32 and
 // accumulates across chunks), so there is one final rounding only, in the
-// caller. Extra memory per thread: two bf16 panels (AVX512_BF16; one fp32
-// panel otherwise) and an [Nt, M] fp32 tile, independent of N and of K; per
-// call, the packed bf16 copy of A.
+// caller. Extra memory per thread: two bf16 panels (AVX512_BF16), one fp32
+// panel and its rows' strip, and an Nt x M fp32 tile, independent of N and of
+// K; per call, the packed bf16 copy of A.
 //
 // Element types of the microkernel:
 // * bf16 x bf16 -> fp32 (builds with AVX512_BF16): torch_bq's own vdpbf16ps
@@ -1965,12 +1968,20 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 //   occur: A and the chunk's weights hold no subnormal and the product of
 //   their lowest set bits is at least 2**-126 (every product, and every fp32
 //   partial sum of them, is then a multiple of that quantum: zero or
-//   normal). Other chunks run the fp32 microkernel into the same C^T, and so
-//   do the later chunks of their row group (its partial sums may now be
-//   subnormal, and vdpbf16ps would read its accumulators as zero).
+//   normal). Other chunks run the fp32 microkernel, and so do the later
+//   chunks of their row group (its partial sums may now be subnormal, and
+//   vdpbf16ps would read its accumulators as zero); a group that ran bf16
+//   chunks first has its C^T transposed into C once, where it switches.
 // * fp32 x fp32 -> fp32: oneDNN's brgemm microkernel
-//   (at::native::cpublas::brgemm) on fp32 panels with kTileCols-row slices of
-//   A^T (AVX2 / AVX-512 builds, fp32 scales, and the chunks above).
+//   (at::native::cpublas::brgemm) as C[M, Nt] (+)= A x panel^T (AVX2 /
+//   AVX-512 builds, fp32 scales, and the chunks above): the panel is written
+//   transposed (rows decoded kStripRows at a time, then moved by register
+//   transposes), so that the microkernel's vector dimension is the group's
+//   weight rows (64: whole vectors) and A's rows are its broadcast side,
+//   read in place from fp32 A (rows K apart) in kTileCols-row calls. With A
+//   rows as the vector dimension (C^T = panel x A^T, before 2026-12-02),
+//   every 8 or 16 A rows past a multiple of 16 paid for a whole vector block:
+//   the time per row stepped up 1.1-1.4x at M = 17, 33, 49, 65.
 // * The generic build (CPUs without AVX2) keeps at::mm on fp32 panels.
 //
 // A weight format plugs in as a "Rows" type (QuantizedRows<Fmt, S>,
@@ -1985,8 +1996,8 @@ void decode_linear(const WeightView& w, const float* A, int64_t M, int64_t N, fl
 // them through the prefill_counts op to see which path a call took).
 std::atomic<int64_t> prefill_tiles[3];
 
-constexpr int64_t kTileRows = 64;   // W rows per task (the microkernel's M)
-constexpr int64_t kTileCols = 64;   // A rows per microkernel call (its N)
+constexpr int64_t kTileRows = 64;   // W rows per task (the fp32 microkernel's N: its vector dimension)
+constexpr int64_t kTileCols = 64;   // A rows per fp32 microkernel call (its M)
 constexpr int64_t kChunkElems = 1024;  // target K chunk
 
 // Lowest possible set bit (as an exponent) of any nonzero element, and
@@ -2107,18 +2118,17 @@ struct ActivationSource {
 // The A operands a call's microkernels read, built once per call.
 struct GemmOperands {
   int64_t M = 0, K = 0, Kp = 0;  // Kp: K rounded up to even (bf16 pairs)
-  at::Tensor a32;                // fp32 [M, K] (written by stage_a32 first where that is set)
-  at::Tensor bt32;               // fp32 A^T [K, M], built on first use
+  at::Tensor a32;                // fp32 [M, K], contiguous (written by stage_a32 first where that is set)
   at::Tensor apack;              // bf16 A^T in pairs, blocked for the dot microkernel (pack_activation), or undefined
   LowBits a_bits{0, false};
   const ActivationSource* stage_a32 = nullptr;  // A packed from here, a32 not written yet
-  std::once_flag bt32_once;
-  const float* at32() {
-    std::call_once(bt32_once, [&] {
+  std::once_flag a32_once;
+  // fp32 A for the fp32 microkernel, staged from stage_a32 on first use.
+  const float* fp32_a() {
+    std::call_once(a32_once, [&] {
       if (stage_a32 != nullptr) stage_a32->fp32_here(a32.data_ptr<float>());
-      bt32 = at::empty({K, M}, a32.options()).copy_(a32.t());
     });
-    return bt32.data_ptr<float>();
+    return a32.data_ptr<float>();
   }
 };
 
@@ -2800,8 +2810,10 @@ struct DenseRows {
 };
 
 struct TileBuffers {
-  std::vector<float> c;         // [Nt, M] fp32 accumulators (C^T)
-  std::vector<float> panel32;   // [Nt, kc]
+  std::vector<float> c;         // Nt x M fp32 accumulators: C [M, Nt] (fp32 microkernel), C^T [Nt, M] (bf16 tiles)
+  std::vector<float> panel32;   // [kc, Nt]: the fp32 panel, transposed
+  std::vector<float> strip;     // [kStripRows, kc]: rows decoded for panel32's transposes
+  std::vector<float> ct;        // C^T set aside while a group moves from the bf16 tiles to the fp32 microkernel
   std::vector<uint16_t> panel16;  // two bf16 panels [Nt, kc]: the one multiplied, the one being decoded
   std::vector<float> scratch;   // one row chunk
 };
@@ -2936,6 +2948,96 @@ inline void store_transposed(const float* c, int64_t rows, int64_t M, float* out
   }
 }
 
+// out[m, n0 + r] = c[m * rows + r] for r < rows, m < M (out fp32, rows ldo apart), or into
+// `final` (not null) with its bias and rounding: C as the fp32 microkernel leaves it.
+inline void store_rows(const float* c, int64_t rows, int64_t M, float* out, int64_t ldo, int64_t n0,
+                       const FinalOutput* final) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* src = c + m * rows;
+    if (final == nullptr) {
+#if defined(TORCH_BQ_AVX512)
+      copy_bytes(out + m * ldo + n0, src, rows * 4);
+#else
+      std::memcpy(out + m * ldo + n0, src, rows * 4);
+#endif
+      continue;
+    }
+    int64_t r = 0;
+#if defined(TORCH_BQ_AVX512)
+    for (; r + 16 <= rows; r += 16) final->put16(m, n0 + r, _mm512_loadu_ps(src + r));
+#endif
+    for (; r < rows; ++r) final->put(m, n0 + r, src[r]);
+  }
+}
+
+#if defined(TORCH_BQ_AVX2)
+// r[i][j] <- r[j][i] for an 8 x 8 matrix of floats, one row per register.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);      // r0[0] r1[0] r0[1] r1[1] | same from [4]
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);  // [2], [3] | [6], [7]
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 0-3, then 4-7
+    u[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);      // column 0 | 4 of four rows
+    u[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xEE);      // 1 | 5
+    u[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);  // 2 | 6
+    u[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);  // 3 | 7
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x20);
+    r[j + 4] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x31);
+  }
+}
+#endif
+
+// Rows decoded at a time for the transposed fp32 panel: one block of transposes.
+#if defined(TORCH_BQ_AVX512)
+constexpr int64_t kStripRows = 16;
+#else
+constexpr int64_t kStripRows = 8;
+#endif
+
+// The fp32 microkernel's panel: pt[k - k0, r] = W[n0 + r, k] (dequantized) for r < rows,
+// k0 <= k < k1, rows `rows` elements apart (the weight rows are the microkernel's vector
+// dimension). kStripRows rows are decoded at a time into `strip` (row-major: 32 KiB with
+// AVX2, 64 KiB with AVX-512 at kc = 1024), then moved in kStripRows x kStripRows register
+// transposes; leftover rows and elements one by one. The transposes are this layout's
+// price: about 0.6-1.4 ms of a 4096 x 4096 call at AVX2 (docs/benchmarks.md, "AVX2 prefill
+// vectorized over weight rows"), which is what keeps M = 32-128 at 1.0-1.2x the old
+// layout's time where its A-row vectors were full.
+template <class Rows>
+void transposed_panel(const Rows& wr, int64_t n0, int64_t rows, int64_t k0, int64_t k1, float* pt,
+                      std::vector<float>& strip) {
+  const int64_t width = k1 - k0;
+  strip.resize(kStripRows * width);
+  float* s = strip.data();
+  for (int64_t r0 = 0; r0 < rows; r0 += kStripRows) {
+    const int64_t here = std::min(kStripRows, rows - r0);
+    for (int64_t i = 0; i < here; ++i) wr.fp32(n0 + r0 + i, k0, k1, s + i * width);
+    int64_t k = 0;
+    if (here == kStripRows) {
+#if defined(TORCH_BQ_AVX512)
+      for (; k + 16 <= width; k += 16) {
+        __m512i v[16];
+        for (int i = 0; i < 16; ++i) v[i] = _mm512_castps_si512(_mm512_loadu_ps(s + i * width + k));
+        transpose16(v);
+        for (int j = 0; j < 16; ++j) _mm512_storeu_ps(pt + (k + j) * rows + r0, _mm512_castsi512_ps(v[j]));
+      }
+#elif defined(TORCH_BQ_AVX2)
+      for (; k + 8 <= width; k += 8) {
+        __m256 v[8];
+        for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(s + i * width + k);
+        transpose8(v);
+        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(pt + (k + j) * rows + r0, v[j]);
+      }
+#endif
+    }
+    for (; k < width; ++k)
+      for (int64_t i = 0; i < here; ++i) pt[k * rows + r0 + i] = s[i * width + k];
+  }
+}
+
 // out[:, n_begin:n_end] for one task: groups of `group` weight rows one after
 // the other, each over all of K. With bf16_ok (A allows it), each K chunk of a
 // group whose weights allow it too runs the bf16 microkernel, the others (and
@@ -3030,18 +3132,32 @@ void gemm_task(const Rows& wr, GemmOperands& ops, int64_t n_begin, int64_t n_end
       }
 #endif
       if (!chunk_bf16) {
-        buf.panel32.resize(rows * width);
-        const float* bt = ops.at32();
+#if defined(TORCH_BQ_AVX512_BF16)
+        if (k0 > 0 && all_bf16) {
+          // The group's earlier chunks ran the bf16 tiles into C^T: from here on, C (rare).
+          buf.ct.assign(c, c + rows * M);
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t m = 0; m < M; ++m) c[m * rows + r] = buf.ct[r * M + m];
+        }
+#endif
+        const float* a = ops.fp32_a();
+        buf.panel32.resize(width * rows);
         float* p = buf.panel32.data();
-        for (int64_t r = 0; r < rows; ++r) wr.fp32(n0 + r, k0, k1, p + r * width);
+        transposed_panel(wr, n0, rows, k0, k1, p, buf.strip);
+        // C [M, rows] (+)= A[:, k0:k1] x panel^T: the weight rows are the vector dimension,
+        // A's rows the broadcast one (a remainder of A rows only shortens a register block).
         for (int64_t m0 = 0; m0 < M; m0 += kTileCols) {
           const int64_t cols = std::min(kTileCols, M - m0);
-          at::native::cpublas::brgemm(rows, cols, width, width, M, M, k0 > 0, p, bt + k0 * M + m0, c + m0, false);
+          at::native::cpublas::brgemm(cols, rows, width, K, rows, rows, k0 > 0, a + m0 * K + k0, p, c + m0 * rows,
+                                      false);
         }
         all_bf16 = false;
       }
     }
-    store_transposed(c, rows, M, out, N, n0, final);
+    if (all_bf16)
+      store_transposed(c, rows, M, out, N, n0, final);  // every chunk on the bf16 tiles: C^T
+    else
+      store_rows(c, rows, M, out, N, n0, final);
     prefill_tiles[all_bf16 ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
   }
 }

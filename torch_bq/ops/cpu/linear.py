@@ -63,12 +63,20 @@ __all__ = [
 # 0.92-1.05 (decode is then up to 1.16x the prefill's time per row: the price
 # of a flat step). Against the slower prefill tiles before those, the same
 # rule gave fp8 112, fp4 96 (docs/benchmarks.md, "Cliffs").
-# AVX2 (against fp32 panels): the panels win from M = 9 at K = 33024, where the
-# AVX2 tiles' activation rows no longer sit in L2 beside the weight row.
-# Re-measure when either path changes.
+# AVX2 (the avx2 and avx512 libraries; Zen 5, 2026-12-02, a loaded machine),
+# against the fp32 microkernel vectorized over the weight rows (no step at
+# multiples of 16 A rows any more): `--crossover` at M = 6-32, the five
+# benchmark shapes and K = 11008, 33024. The decode's time per row is flat to
+# M = 20 at K <= 11008 and rises earlier at long K (K = 14336: fp8 1.81 ms per
+# row at M = 14, 2.22 at 16; K = 33024: from M = 6); the prefill's falls
+# smoothly. fp8 crosses over at M = 12-14, fp4 at 14-17. prefill(M + 1) /
+# decode(M) at the limits below: fp8 (14; M = 15 interpolated) 0.91-0.99, fp4
+# (16) 0.75-1.05, K = 33024 (8) 0.94 fp8, 1.02 fp4. fp4 at 14 would step up
+# 1.12x at 4096 x 4096; fp8 at 16 would decode K = 14336 through its rise
+# (1.22x from 14 to 16). Re-measure when either path changes.
 DECODE_MAX_M = {
     "avx512_bf16": {"fp8": 88, "fp4": 88, "long_k": None},
-    "avx2": {"fp8": 16, "fp4": 16, "long_k": (16384, 8)},
+    "avx2": {"fp8": 14, "fp4": 16, "long_k": (16384, 8)},
     "generic": {"fp8": 16, "fp4": 16, "long_k": None},
 }
 # NVFP4 (nvfp4.cpp), by the build's NVFP4 decode kernels (the kernels'
