@@ -3102,7 +3102,7 @@ void gemm_task(const Rows& wr, GemmOperands& ops, int64_t n_begin, int64_t n_end
         if (panel == p && padded != width)
           for (int64_t r = 0; r < rows; ++r) p[r * padded + width] = 0;
         decoded = false;
-        // all_bf16: after an fp32 chunk C^T may hold subnormal partial sums, which vdpbf16ps
+        // all_bf16: after an fp32 chunk the group's C may hold subnormal partial sums, which vdpbf16ps
         // would read as zero, so the group's later chunks take the fp32 microkernel too.
         chunk_bf16 = all_bf16 && !bits.subnormal && ops.a_bits.low_bit + bits.low_bit >= -126;
         if (chunk_bf16) {
