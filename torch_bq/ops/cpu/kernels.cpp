@@ -950,16 +950,15 @@ int dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t 
 }
 
 // All M rows of A against W[n:n+NT, :] in row tiles of near-equal height,
-// at most max_mt (NT = 1: 8, or kFp4IntTileRows on the AVX2 MXFP4 int path)
-// or 3 (NT = 4, M <= 3): every tile decodes the weight
+// at most max_mt (NT = 1: 8, or kFp4IntTileRows on the AVX2 MXFP4 int path;
+// NT = 4: 3, at M <= 3): every tile decodes the weight
 // rows once more, so M = 8 q + r costs q + 1 decodes, never q + 2 or 3 (a
 // tile of 1 or 2 rows after the 8s and 4s was the M = 5 and M = 9 steps).
 // Returns how many of its tiles ran the int path.
 template <class Fmt, class S, int NT>
 int rows_tile(const WeightView& w, const float* A, const float* a_split, int64_t a_stride, int a_exp,
               const Fp4IntActivation* fp4_int, int64_t M, int64_t n, float* out, int64_t N, int max_mt) {
-  const int max_rows = NT == 4 ? 3 : max_mt;
-  const int64_t tiles = (M + max_rows - 1) / max_rows;
+  const int64_t tiles = (M + max_mt - 1) / max_mt;
   int64_t m0 = 0;
   int ran_int = 0;
   for (int64_t t = 0; t < tiles; ++t) {
@@ -3432,6 +3431,9 @@ void qdq_block32(const uint16_t* x, float recip_peak, void* out, int64_t offset)
 #endif
 
 #if defined(TORCH_BQ_AVX512)
+// 16 bf16 (or fp32 high-half) words as the fp32 values they encode.
+inline __m512i bf16_widened(__m256i words) { return _mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16); }
+
 // One full 32-wide block as 32 bf16 lanes of one vector: the same bits as qdq_block32, in
 // about a third of its time. Where |x| >= s * 2**-6 (x / s an e4m3 normal), dividing by the
 // power of two s and multiplying back are exponent shifts that cancel, so the qdq is the
@@ -3461,7 +3463,7 @@ inline bool qdq_bf16x32(const uint16_t* x, float recip_peak, __m512i& y) {
     const __m512 recip = _mm512_set1_ps(bs.recip), scale = _mm512_set1_ps(bs.scale), magic = _mm512_set1_ps(16384.0f);
     __m512i half[2];
     for (int h = 0; h < 2; ++h) {
-      const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h == 0 ? _mm512_castsi512_si256(mag) : _mm512_extracti64x4_epi64(mag, 1)), 16);
+      const __m512i bits = bf16_widened(h == 0 ? _mm512_castsi512_si256(mag) : _mm512_extracti64x4_epi64(mag, 1));
       const __m512 m = _mm512_mul_ps(_mm512_castsi512_ps(bits), recip);
       half[h] = _mm512_srli_epi32(_mm512_castps_si512(_mm512_mul_ps(_mm512_sub_ps(_mm512_add_ps(m, magic), magic), scale)), 16);
     }
@@ -3483,8 +3485,8 @@ void qdq_row(const uint16_t* x, int64_t r, int64_t K, float recip_peak, void* ou
     if (len == kQdqBlock && qdq_bf16x32(x + r * K + k0, recip_peak, y)) {
       if constexpr (kF32Out) {
         float* o = static_cast<float*>(out) + r * K + k0;
-        _mm512_storeu_si512(o, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(y)), 16));
-        _mm512_storeu_si512(o + 16, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(y, 1)), 16));
+        _mm512_storeu_si512(o, bf16_widened(_mm512_castsi512_si256(y)));
+        _mm512_storeu_si512(o + 16, bf16_widened(_mm512_extracti64x4_epi64(y, 1)));
       } else {
         _mm512_storeu_si512(static_cast<uint16_t*>(out) + r * K + k0, y);
       }
