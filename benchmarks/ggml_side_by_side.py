@@ -202,13 +202,16 @@ class GgmlWeight:
         self._torch = torch
 
     def prepare(self, x) -> None:
+        """Sets the input of the ``x.shape[0]``-row graph (each row count has its own) and makes it
+        the one ``run`` computes."""
         x = x.float().contiguous()
         self.m = x.shape[0]
         if self.lib.bq_set_input(self.handle, self.m, x.data_ptr()) != 0:
             raise RuntimeError("ggml shim: too many row counts for one weight")
 
-    def run(self) -> None:
-        if self.lib.bq_run(self.handle, self.m) != 0:
+    def run(self, m: int | None = None) -> None:
+        """Computes the ``m``-row graph (default: the last one prepared) on its prepared input."""
+        if self.lib.bq_run(self.handle, self.m if m is None else m) != 0:
             raise RuntimeError("ggml graph compute failed")
 
     def region(self) -> tuple[int, int]:
@@ -460,26 +463,32 @@ def bench_isa(isa: str, ggml_lib: Path, shapes, rows, reps: int, with_torchao: b
         max8, max4 = fast.decode_max_m(kernels, "fp8", k), fast.decode_max_m(kernels, "fp4", k)
         mod8, mod4 = bqnn.FP8Linear.from_quantized(d8, s8), bqnn.FP4Linear.from_quantized(p4, s4)
         cold = regions(d8, s8, p4, s4, w_bf16, q8, mx, mod8, mod4, *ao.values())
+        # Every row count of the shape in the same shuffled rounds (ggml keeps one graph per
+        # row count): a change of load during the run then moves M and M + 1 alike, so the
+        # steps from M to M + 1 below compare like with like.
+        fns = {}
         for m in rows:
             x = torch.randn(m, k, dtype=torch.bfloat16)
             q8.prepare(x)
             mx.prepare(x)
             a = kernels.qdq_fp8(x, 224.0, True)  # the kernels' operand: qdq(x) as fp32
-            fns = {
-                "fp8": lambda: ops.fp8_linear(x, d8, s8),
-                "fp8-kernel": lambda: staged.fp8_linear(a, d8b, s8b, None, 32, 32, max8, fast.PANEL_BYTES),
-                "q8_0": q8.run,
-                "fp4": lambda: ops.fp4_linear(x, p4, s4),
-                "fp4-kernel": lambda: staged.fp4_linear(a, p4b, s4b, None, max4, fast.PANEL_BYTES),
-                "mxfp4": mx.run,
-                "bf16": lambda: F.linear(x, w_bf16),
-            }
+            fns.update({
+                ("fp8", m): lambda x=x: ops.fp8_linear(x, d8, s8),
+                ("fp8-kernel", m): lambda a=a: staged.fp8_linear(a, d8b, s8b, None, 32, 32, max8, fast.PANEL_BYTES),
+                ("q8_0", m): lambda m=m: q8.run(m),
+                ("fp4", m): lambda x=x: ops.fp4_linear(x, p4, s4),
+                ("fp4-kernel", m): lambda a=a: staged.fp4_linear(a, p4b, s4b, None, max4, fast.PANEL_BYTES),
+                ("mxfp4", m): lambda m=m: mx.run(m),
+                ("bf16", m): lambda x=x: F.linear(x, w_bf16),
+            })
             if m == 1:
-                fns["fp8-module"] = lambda: mod8(x)
-                fns["fp4-module"] = lambda: mod4(x)
+                fns[("fp8-module", m)] = lambda x=x: mod8(x)
+                fns[("fp4-module", m)] = lambda x=x: mod4(x)
             for name, lin in ao.items():
-                fns[name] = lambda lin=lin: lin(x)
-            t = timer(fns, cold)
+                fns[(name, m)] = lambda lin=lin, x=x: lin(x)
+        timed = timer(fns, cold)
+        for m in rows:
+            t = {name: v for (name, mm), v in timed.items() if mm == m}
             t["floor4"] = (n * -(-k // 2) + n * -(-k // 32)) / bandwidth
             results.append({"n": n, "k": k, "m": m, **t})
             print(f"  [{isa}] {n}x{k} M={m}: " + ", ".join(f"{key} {v * 1e3:.3f}" for key, v in t.items())
