@@ -33,8 +33,9 @@ Method: 1 thread (``OMP_NUM_THREADS=1``; ggml ``n_threads = 1``); every call
 starts with its weight in memory only: before each call, untimed, a buffer twice
 the last-level cache is read and every weight of the case is evicted line by
 line (``benchmarks/evict.c``, built here with the system C compiler; the read
-alone left much of an 8 MiB weight in a Zen 5's L3); the implementations are interleaved call by call, ``--reps``
-rounds, and each time is the median. Times are the calling thread's CPU time
+alone left much of an 8 MiB weight in a Zen 5's L3); the implementations and all row counts
+of a shape are interleaved call by call, in a new order each of the ``--reps`` rounds, and
+each time is the median. Times are the calling thread's CPU time
 (``time.thread_time``), so a shared machine's descheduling does not enter;
 memory contention from other jobs still does, hence the load average in the
 header, and ratios rather than absolute times.
