@@ -62,7 +62,10 @@ __all__ = [
 # at M = 64, 0.92-1.05 at 80, 0.88-0.99 at 88; fp4 1.15-1.25, 1.00-1.11,
 # 0.92-1.05 (decode is then up to 1.16x the prefill's time per row: the price
 # of a flat step). Against the slower prefill tiles before those, the same
-# rule gave fp8 112, fp4 96 (docs/benchmarks.md, "Cliffs").
+# rule gave fp8 112, fp4 96 (docs/benchmarks.md, "Cliffs"). On a Zen 4 (2026-12-07;
+# 512-bit ops on 256-bit units) the prefill overtakes the decode at M = 44-48 and is
+# 0.78-0.87x of it at 64, but steps up 1.17-1.39x at 65 (16-row A vectors): a limit
+# there would trade 10-25% at M = 48-64 for that step, so 88 stays for both.
 # AVX2 (the avx2 and avx512 libraries; Zen 5, 2026-12-02, a loaded machine),
 # against the fp32 microkernel vectorized over the weight rows (no step at
 # multiples of 16 A rows any more): `--crossover` at M = 6-32, the five
