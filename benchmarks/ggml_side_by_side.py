@@ -255,10 +255,20 @@ def anon_huge_pages_mib() -> float:
 
 
 def cpu_model() -> str:
+    """The model name, with the CPUID family and model where ``/proc/cpuinfo`` has them (a VM's
+    model name may be just "AMD EPYC": family 25 is Zen 3/4, 26 Zen 5)."""
     try:
+        fields = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "cpu family", "model") and key not in fields:
+                fields[key] = value.strip()
+            if not line.strip() and fields:
+                break
+        if "model name" in fields:
+            extra = [f"{k} {fields[k]}" for k in ("cpu family", "model") if k in fields]
+            return fields["model name"] + (f" ({', '.join(extra)})" if extra else "")
     except OSError:
         pass
     return platform.processor() or platform.machine()
@@ -631,7 +641,9 @@ def plot(runs: list[dict], path: Path) -> None:
                 ax.set_ylabel("ms per call (1 thread)")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    flags = " ".join(f for f in cpu_flags() if f.startswith("avx"))
+    fig.suptitle(f"{cpu_model()}, {os.cpu_count()} logical CPUs; {flags}; cold weights, 1 thread", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.97))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     print(f"plot written to {path}")

@@ -39,19 +39,10 @@ import time  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.ggml_side_by_side import cpu_model  # noqa: E402,F401  (nvfp4_cpu imports it from here)
 from torch_bq import formats, ops  # noqa: E402
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (2880, 2880), (5760, 2880)]
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def load_average() -> str:
