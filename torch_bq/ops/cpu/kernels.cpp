@@ -1625,6 +1625,14 @@ void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
 constexpr int64_t kFoldRows = 8;
 constexpr int64_t kFoldGroups = 8;
 constexpr int kFoldMaxMT = 5;
+// folded_rows lays its accumulator buffer out with two slots per (row, weight
+// row) when M <= 2 and one otherwise, while folded_tile<MT> keeps two for
+// MT <= 2: the two agree only if no row tile of M >= 3 rows is shorter than 3.
+// With near-equal heights of at most kFoldMaxMT, the shortest tile of M > kFoldMaxMT
+// rows, floor(M / ceil(M / kFoldMaxMT)), is at least (kFoldMaxMT + 1) / 2 rounded
+// down, so 3 or more from kFoldMaxMT = 5 on (at 4, M = 5 would split 2 + 3 and read
+// the wrong slots).
+static_assert(kFoldMaxMT >= 5, "a folded row tile of 2 rows at M >= 3 would misread the accumulator slots");
 
 // The exponent add of group gg of a K-block on each bf16 word: words 0-15 get
 // block 2 gg's, words 16-31 block 2 gg + 1's. `ev` holds (code - 127) << 7
