@@ -124,8 +124,8 @@ namespace {
 // Zen 4 (2 vCPUs, 1 thread, cold cache) a 4096 x 4096 fp8 weight streamed at
 // about 11 GB/s of the core's 27 GB/s, and M = 1 took twice its warm-cache
 // time. With T1 the same calls took 0.48-0.84x the time (fp8, five shapes;
-// fp4 0.57-1.0x; AVX2 level fp8 0.60-0.79x), and the L1 misses that remain
-// hit L2, which the out-of-order window hides (in-process A/B, 9 rounds).
+// fp4 0.59-1.02x; AVX2 level fp8 0.60-0.79x; in-process A/B, 9 rounds): the
+// L1 misses that remain hit L2 (docs/benchmarks.md, stop 24).
 inline void prefetch_weights(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 #endif
 
