@@ -203,16 +203,15 @@ class GgmlWeight:
         self._torch = torch
 
     def prepare(self, x) -> None:
-        """Sets the input of the ``x.shape[0]``-row graph (each row count has its own) and makes it
-        the one ``run`` computes."""
+        """Sets the input of the ``x.shape[0]``-row graph (each row count has its own)."""
         x = x.float().contiguous()
         self.m = x.shape[0]
         if self.lib.bq_set_input(self.handle, self.m, x.data_ptr()) != 0:
             raise RuntimeError("ggml shim: too many row counts for one weight")
 
-    def run(self, m: int | None = None) -> None:
-        """Computes the ``m``-row graph (default: the last one prepared) on its prepared input."""
-        if self.lib.bq_run(self.handle, self.m if m is None else m) != 0:
+    def run(self, m: int) -> None:
+        """Computes the ``m``-row graph on the input ``prepare`` gave it."""
+        if self.lib.bq_run(self.handle, m) != 0:
             raise RuntimeError("ggml graph compute failed")
 
     def region(self) -> tuple[int, int]:

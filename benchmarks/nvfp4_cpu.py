@@ -38,7 +38,8 @@ import time  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.prefill_cpu import cpu_model, interleaved_medians, load_average  # noqa: E402
+from benchmarks.ggml_side_by_side import cpu_model  # noqa: E402
+from benchmarks.prefill_cpu import interleaved_medians, load_average  # noqa: E402
 from torch_bq import formats, ops  # noqa: E402
 from torch_bq.ops import _backend  # noqa: E402
 from torch_bq.ops.cpu import linear as fast  # noqa: E402

@@ -39,7 +39,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.ggml_side_by_side import cpu_model  # noqa: E402,F401  (nvfp4_cpu imports it from here)
+from benchmarks.ggml_side_by_side import cpu_model  # noqa: E402
 from torch_bq import formats, ops  # noqa: E402
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (2880, 2880), (5760, 2880)]
