@@ -612,6 +612,33 @@ def test_prefill_rows_around_vector_multiples(level, m, monkeypatch):
     assert_linear_close(y16, x.to(torch.bfloat16), w.to(torch.bfloat16), msg=f"{level} M={m} bf16 weights")
 
 
+@pytest.mark.skipif("avx512_bf16" not in LEVELS, reason="needs a CPU with AVX512_BF16")
+@pytest.mark.parametrize("m, rowdot", [(64, False), (65, True), (76, True), (77, False), (12, True), (13, False)])
+def test_bf16_prefill_last_rows_take_the_row_dot_tiles(m, rowdot, monkeypatch):
+    """On the bf16 tiles, up to 12 A rows past the last whole vector of 16 go through the
+    row-dot tiles (a dot product per weight row and A row) instead of a vector whose lanes
+    they would fill only in part; 13 or more, and whole vectors, do not. N = two groups and 13
+    rows (partial register tiles), K = two chunks and 36 (a partial step at the end of a
+    chunk), a bias: a row-dot output in the wrong column, or missing a step, breaks the bound."""
+    level = "avx512_bf16"
+    kernels = _backend.cpu_kernels(level)
+    monkeypatch.setattr(fast, "decode_max_m", lambda kernels, fmt, k: 0)  # every M on the prefill path
+    n, k = 2 * kernels.prefill_task_rows() + 13, 2 * 1024 + 36
+    torch.manual_seed(m)
+    d, s = formats.quantize_fp8(torch.randn(n, k))
+    x = torch.randn(m, k)
+    bias = torch.randn(n)
+    before = kernels.rowdot_chunks()
+    y = FP8[level](x, d, s, bias, [32, 32], True, 224.0, torch.float32)
+    assert (kernels.rowdot_chunks() > before) == rowdot
+    assert_linear_close(y, operand(x, True), formats.dequantize_fp8(d, s, (32, 32), torch.float32), bias)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    before = kernels.rowdot_chunks()
+    y16 = BF16[level](x, w, None, torch.bfloat16)  # read in place (no panel copy), rounded on the way out
+    assert (kernels.rowdot_chunks() > before) == rowdot
+    assert_linear_close(y16, x.to(torch.bfloat16), w)
+
+
 # --------------------------------------------------------------------------- #
 # every row count to 64 on each path, and the decode / panel boundary
 # --------------------------------------------------------------------------- #

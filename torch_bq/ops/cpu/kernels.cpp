@@ -2138,6 +2138,7 @@ struct GemmOperands {
   int64_t M = 0, K = 0, Kp = 0;  // Kp: K rounded up to even (bf16 pairs)
   at::Tensor a32;                // fp32 [M, K], contiguous (written by stage_a32 first where that is set)
   at::Tensor apack;              // bf16 A^T in pairs, blocked for the dot microkernel (pack_activation), or undefined
+  std::vector<uint32_t> arows;   // the row-dot tiles' A rows (rowdot_activation), where apack is defined
   LowBits a_bits{0, false};
   const ActivationSource* stage_a32 = nullptr;  // A packed from here, a32 not written yet
   std::once_flag a32_once;
@@ -2399,6 +2400,113 @@ inline DotTile<NoJob> partial_dot_tile(int nr, int mv) {
   }
 }
 
+// The A rows past the last whole 16-row vector, where there are few of them:
+// in a broadcast tile they would fill one vector of 16 lanes, and that vector
+// costs as much as 16 rows (M = 65: the 6 x 4 tiles of the first 64 rows plus
+// 6 x 1 tiles whose 16 lanes hold one row, 1.17-1.39x the time per row of
+// M = 64 on a Zen 4). rowdot_tile takes them instead: per weight row and A
+// row a dot product along K, 32 products per vdpbf16ps whatever the count.
+// Up to kRowDotMaxRows of them: M = 65-80 then cost 1.01-1.05x the time per
+// row of M = 64 (4096 x 4096 and 2880 x 2880 fp8, 1 thread, Zen 4; with 8,
+// M = 73 still rose 1.08x over 72; from 13 rows a vector's lanes are mostly
+// used, and the row-dot tiles, which read the panel once per 3 rows, cost as
+// much).
+constexpr int64_t kRowDotMaxRows = 12;
+// A rows per row-dot register tile: 6 x 3 accumulators. 6 x 4 (and 8 x 3, 12 x 2) spill
+// accumulators to the stack: 0.37 vdpbf16ps per cycle from an L2-resident panel against
+// 0.92 for 6 x 3 (Zen 4; one A row, 0.47: there the panel's L2 reads are the limit).
+constexpr int64_t kRowDotMT = 3;
+
+// A rows of an M-row call that the row-dot tiles take: the last M % 16, or none.
+inline int64_t rowdot_rows(int64_t M) {
+  const int64_t rest = M % 16;
+  return rest <= kRowDotMaxRows ? rest : 0;
+}
+
+// Chunks that ran row-dot tiles since load (tests read them through the rowdot_chunks op).
+std::atomic<int64_t> rowdot_chunks_run{0};
+
+// C^T[NR rows (stride ldc), MR columns] (+)= w[NR, 2 kp] . a[MR, 2 kp]: w the panel's
+// bf16 rows (ws pairs apart), a the row-dot rows' bf16 pairs (as pairs apart). Lane l
+// of each accumulator sums pairs 16 j + l; its 16 lanes are added once at the end.
+template <int NR, int MR>
+__attribute__((noinline)) void rowdot_tile(const uint16_t* w, int64_t ws, const uint32_t* a, int64_t as, int64_t kp,
+                                           float* c, int64_t ldc, bool accumulate) {
+  __m512 acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MR; ++i) acc[r][i] = _mm512_setzero_ps();
+  // One loop, masked loads throughout (the mask is all ones but in the last step).
+  for (int64_t p = 0; p < kp; p += 16) {
+    const __mmask16 valid = kp - p >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (kp - p)) - 1);
+    __m512bh av[MR];
+    for (int i = 0; i < MR; ++i) av[i] = (__m512bh)_mm512_maskz_loadu_epi32(valid, a + i * as + p);
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi32(valid, w + 2 * (r * ws + p));
+      for (int i = 0; i < MR; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], wv, av[i]);
+    }
+  }
+  // Unrolled: left as a loop, it indexes acc at run time, and GCC then kept every accumulator
+  // in memory as well (a store after each vdpbf16ps of the loop above).
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      const float sum = _mm512_reduce_add_ps(acc[r][i]);
+      c[r * ldc + i] = accumulate ? c[r * ldc + i] + sum : sum;
+    }
+}
+
+using RowDotTile = void (*)(const uint16_t*, int64_t, const uint32_t*, int64_t, int64_t, float*, int64_t, bool);
+
+template <int NR>
+constexpr RowDotTile rowdot_tile_for(int mr) {
+  static_assert(kRowDotMT == 3, "one instance per tile height");
+  return mr == 1 ? &rowdot_tile<NR, 1> : mr == 2 ? &rowdot_tile<NR, 2> : &rowdot_tile<NR, 3>;
+}
+
+inline RowDotTile rowdot_tile_of(int nr, int mr) {
+  switch (nr) {
+    case 1: return rowdot_tile_for<1>(mr);
+    case 2: return rowdot_tile_for<2>(mr);
+    case 3: return rowdot_tile_for<3>(mr);
+    case 4: return rowdot_tile_for<4>(mr);
+    case 5: return rowdot_tile_for<5>(mr);
+    default: return rowdot_tile_for<kDotRows>(mr);
+  }
+}
+
+// C^T[rows, M] columns [M - count, M) (+)= panel[rows, 2 kp] . the row-dot rows' pairs
+// [p0, p0 + kp) (arows: count rows of kp2 pairs).
+inline void rowdot_chunk(const uint16_t* panel, int64_t ws, int64_t rows, const uint32_t* arows, int64_t count,
+                         int64_t kp2, int64_t p0, int64_t kp, int64_t M, float* c, bool accumulate) {
+  const int64_t tiles = (count + kRowDotMT - 1) / kRowDotMT;
+  for (int64_t r0 = 0; r0 < rows; r0 += kDotRows) {
+    const int nr = static_cast<int>(std::min(kDotRows, rows - r0));
+    int64_t i0 = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t mr = (count - i0) / (tiles - t);  // near-equal heights
+      rowdot_tile_of(nr, static_cast<int>(mr))(panel + 2 * r0 * ws, ws, arows + i0 * kp2 + p0, kp2, kp,
+                                               c + r0 * M + (M - count) + i0, M, accumulate);
+      i0 += mr;
+    }
+  }
+  rowdot_chunks_run.fetch_add(1, std::memory_order_relaxed);
+}
+
+// The row-dot rows' bf16 pairs, row-major [count][kp2], gathered from the packed A (its
+// last block's columns past the whole vectors).
+inline std::vector<uint32_t> rowdot_activation(const uint32_t* apack, int64_t M, int64_t kp2) {
+  const int64_t count = rowdot_rows(M);
+  std::vector<uint32_t> rows(count * kp2);
+  if (count == 0) return rows;
+  const int64_t m0 = (M - 1) / kDotBlock * kDotBlock, width = packed_block_width(M, m0);
+  const int64_t first = M - count - m0;  // column of the first row-dot row in its block
+  const uint32_t* block = apack + m0 * kp2;
+  for (int64_t p = 0; p < kp2; ++p)
+    for (int64_t i = 0; i < count; ++i) rows[i * kp2 + p] = block[p * width + first + i];
+  return rows;
+}
+
 // A job whose steps also bring A's next pairs into L2 (dot_chunk): after each
 // step of the job, the lines of [ahead, edge += per_step).
 template <class Job>
@@ -2426,19 +2534,21 @@ struct PrefetchingJob {
 // into L2, a share of its lines issued before each register tile, cost 1-5% at
 // every shape measured once the steps prefetch the next row themselves: removed.)
 template <class Job>
-void dot_chunk(const uint16_t* panel, int64_t ws, int64_t rows, const uint32_t* apack, int64_t kp2, int64_t p0,
-               int64_t kp, int64_t M, float* c, bool accumulate, Job* job, int64_t steps) {
-  const int64_t blocks = (M + kDotBlock - 1) / kDotBlock, tiles = rows / kDotRows;
+void dot_chunk(const uint16_t* panel, int64_t ws, int64_t rows, const uint32_t* apack, const uint32_t* arows,
+               int64_t kp2, int64_t p0, int64_t kp, int64_t M, float* c, bool accumulate, Job* job, int64_t steps) {
+  // The broadcast tiles take A rows [0, Mv), the row-dot tiles the rest (arows, rowdot_rows).
+  const int64_t rest = rowdot_rows(M), Mv = M - rest;
+  const int64_t blocks = (Mv + kDotBlock - 1) / kDotBlock, tiles = rows / kDotRows;
   int64_t job_calls = job == nullptr ? 0 : blocks * tiles;
   PrefetchingJob<Job> prefetching{job};
-  for (int64_t m0 = 0; m0 < M; m0 += kDotBlock) {
-    const int64_t width = packed_block_width(M, m0), cols = std::min(kDotBlock, M - m0);
-    const int mv = static_cast<int>(width / 16);
+  for (int64_t m0 = 0; m0 < Mv; m0 += kDotBlock) {
+    const int64_t width = packed_block_width(M, m0), cols = std::min(kDotBlock, Mv - m0);
+    const int mv = static_cast<int>((cols + 15) / 16);
     const __mmask16 tail = cols % 16 == 0 ? __mmask16(0xFFFF) : __mmask16((1u << (cols % 16)) - 1);
     const uint32_t* a = apack + m0 * kp2 + p0 * width;
     // What the tiles read next: this chunk's pairs of the next block, else the first
     // block's next chunk (or its first chunk, where the next row group starts).
-    const int64_t next_m0 = m0 + kDotBlock < M ? m0 + kDotBlock : 0;
+    const int64_t next_m0 = m0 + kDotBlock < Mv ? m0 + kDotBlock : 0;
     const int64_t next_p0 = next_m0 > 0 ? p0 : p0 + kp < kp2 ? p0 + kp : 0;
     const int64_t next_width = packed_block_width(M, next_m0);
     const char* next = reinterpret_cast<const char*>(apack + next_m0 * kp2 + next_p0 * next_width);
@@ -2465,6 +2575,7 @@ void dot_chunk(const uint16_t* panel, int64_t ws, int64_t rows, const uint32_t* 
       }
     }
   }
+  if (rest > 0) rowdot_chunk(panel, ws, rows, arows, rest, kp2, p0, kp, M, c, accumulate);
   for (; job != nullptr && steps > 0; --steps) job->step();
 }
 #endif
@@ -3138,13 +3249,15 @@ void gemm_task(const Rows& wr, GemmOperands& ops, int64_t n_begin, int64_t n_end
             const int64_t npadded = (next.k1 - next.k0) + ((next.k1 - next.k0) & 1);
             uint16_t* np = buf.panel16.data() + ((panels + 1) & 1) * half;
             if (next.n0 < n_end && wr.panel_job(next.n0, next.rows, next.k0, next.k1, np, npadded, job)) {
-              dot_chunk(panel, ws, rows, apack, ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0, &job, job.steps());
+              dot_chunk(panel, ws, rows, apack, ops.arows.data(), ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0, &job,
+                        job.steps());
               decoded_bits = job.bits();
               fused = decoded = true;
             }
           }
           if (!fused)
-            dot_chunk<NoJob>(panel, ws, rows, apack, ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0, nullptr, 0);
+            dot_chunk<NoJob>(panel, ws, rows, apack, ops.arows.data(), ops.Kp / 2, k0 / 2, padded / 2, M, c, k0 > 0,
+                             nullptr, 0);
         }
         ++panels;
       }
@@ -3223,6 +3336,7 @@ bool prefill_linear(const Rows& wr, const at::Tensor& A, int64_t N, int64_t pane
     if (bf16_brgemm_works()) {
       ops.Kp = ops.K + (ops.K & 1);
       ops.apack = src != nullptr ? pack_activation(*src, ops.Kp / 2, ops.a_bits) : pack_activation(A, ops.Kp / 2, ops.a_bits);
+      ops.arows = rowdot_activation(reinterpret_cast<const uint32_t*>(ops.apack.data_ptr<int32_t>()), ops.M, ops.Kp / 2);
       bf16 = !ops.a_bits.subnormal;
     }
 #endif
@@ -3789,6 +3903,14 @@ std::vector<int64_t> prefill_counts() {
   return {prefill_tiles[0].load(), prefill_tiles[1].load(), prefill_tiles[2].load()};
 }
 
+int64_t rowdot_chunks() {
+#if defined(TORCH_BQ_AVX512_BF16)
+  return rowdot_chunks_run.load();
+#else
+  return 0;  // the row-dot tiles are part of the bf16 microkernel
+#endif
+}
+
 std::vector<int64_t> fp4_int_counts() {
 #if defined(TORCH_BQ_AVX2)
   return {fp4_int_calls[0].load(), fp4_int_calls[1].load(), fp4_int_calls[2].load(), fp4_int_calls[3].load()};
@@ -3880,6 +4002,7 @@ TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
         &torch_bq_cpu::dense_linear_op);
   m.def("vectorized() -> bool", &torch_bq_cpu::vectorized);
   m.def("prefill_counts() -> int[]", &torch_bq_cpu::prefill_counts);
+  m.def("rowdot_chunks() -> int", &torch_bq_cpu::rowdot_chunks);
   m.def("decode_counts() -> int[]", &torch_bq_cpu::decode_counts);
   m.def("fp4_int_counts() -> int[]", &torch_bq_cpu::fp4_int_counts);
   m.def("decode_fold_rows() -> int[]", &torch_bq_cpu::decode_fold_rows);
