@@ -2217,7 +2217,9 @@ inline void transpose16(__m512i r[16]) {
 // block b holds rows [kDotBlock b, + width) as [Kp/2][width] uint32 bf16 pairs
 // (width = kDotBlock, the last block's rows rounded up to 16 with zero rows),
 // starting at element kDotBlock * b * Kp/2, so a register tile reads one
-// contiguous stream. Per task (kDotTaskRows weight rows) and K chunk
+// contiguous stream (up to 12 rows past the last whole 16-row vector are
+// multiplied by the row-dot tiles instead, from a row-major copy: rowdot_rows).
+// Per task (kDotTaskRows weight rows) and K chunk
 // (kDotChunk elements): the bf16 panel (96 x 1024 x 2 = 192 KiB) and one
 // block's chunk of A (512 pairs x 64 rows x 4 = 128 KiB) sit in L2 together
 // with the fp32 C^T tile; the panel is decoded once and read by every A

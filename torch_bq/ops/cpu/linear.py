@@ -53,8 +53,9 @@ __all__ = [
 # it (docs/benchmarks.md). "long_k" (K, M): above this K, M at most this.
 # AVX-512 BF16 (Zen 5, 2026-12-01): the folded decode tiles decode the weight
 # once for all rows, so their time per row is flat from M = 40 to 128; the
-# vdpbf16ps prefill tiles' falls with M but steps up after each multiple of
-# their 64-row A slices (M = 65 costs 1.2-1.3x per row what M = 64 does).
+# vdpbf16ps prefill tiles' falls with M but stepped up after each multiple of
+# their 16-row A vectors (M = 65 cost 1.2-1.3x per row what M = 64 did) until
+# up to 12 rows past the last whole vector went to row-dot tiles (stop 25).
 # The limit sits where decode(M) and prefill(M + 1) cost the same per row, so
 # that stepping over it is no cliff. Measured with the prefill tiles that
 # decode the next panel inside the current chunk's register tiles,
@@ -63,9 +64,11 @@ __all__ = [
 # 0.92-1.05 (decode is then up to 1.16x the prefill's time per row: the price
 # of a flat step). Against the slower prefill tiles before those, the same
 # rule gave fp8 112, fp4 96 (docs/benchmarks.md, "Cliffs"). On a Zen 4 (2026-12-07;
-# 512-bit ops on 256-bit units) the prefill overtakes the decode at M = 44-48 and is
-# 0.78-0.87x of it at 64, but steps up 1.17-1.39x at 65 (16-row A vectors): a limit
-# there would trade 10-25% at M = 48-64 for that step, so 88 stays for both.
+# 512-bit ops on 256-bit units), with the row-dot tiles, `--crossover` on the five
+# shapes: decode and prefill cost the same per row at M = 48-56, the prefill is
+# 0.92-0.99x of the decode at 64-96 and 0.98-1.01x at 88, so 88 is flat there too;
+# a Zen 4 limit of 56 would gain at most 8% at M = 57-87 (not taken: the limit
+# follows the decode kernels, not the CPU model). Not re-measured on a Zen 5.
 # AVX2 (the avx2 and avx512 libraries; Zen 5, 2026-12-02, a loaded machine),
 # against the fp32 microkernel vectorized over the weight rows (no step at
 # multiples of 16 A rows any more): `--crossover` at M = 6-32, the five
