@@ -2410,9 +2410,10 @@ inline DotTile<NoJob> partial_dot_tile(int nr, int mv) {
 // row a dot product along K, 32 products per vdpbf16ps whatever the count.
 // Up to kRowDotMaxRows of them: M = 65-80 then cost 1.01-1.05x the time per
 // row of M = 64 (4096 x 4096 and 2880 x 2880 fp8, 1 thread, Zen 4; with 8,
-// M = 73 still rose 1.08x over 72; from 13 rows a vector's lanes are mostly
-// used, and the row-dot tiles, which read the panel once per 3 rows, cost as
-// much).
+// M = 73 still rose 1.08x over 72). From about 13 rows a vector is the
+// cheaper: hot, on a 768 x 1024 fp8 weight, M = 1-8 as row-dot rows took
+// 89-150 us (8.7 us per row; the row-dot tiles read the panel from L2 once
+// per 3 rows), M = 16 as one vector 203 us.
 constexpr int64_t kRowDotMaxRows = 12;
 // A rows per row-dot register tile: 6 x 3 accumulators. 6 x 4 (and 8 x 3, 12 x 2) spill
 // accumulators to the stack: 0.37 vdpbf16ps per cycle from an L2-resident panel against
