@@ -75,7 +75,7 @@
 //        remainders only). Whole 64-groups avoid F16C (the M = 1 limit):
 //        two vpshufb give both bytes of the bf16 encoding, and a bf16 word
 //        is an fp32 after one shift or mask (Fp4Format::decode64_bf16).
-//        At M <= 16 (kFp4IntMaxM, the avx2 decode limit) whole 64-groups
+//        At M <= 24 (kFp4IntMaxM, the avx2 decode limit) whole 64-groups
 //        take exact int16 dot products instead: vpshufb gives W * 2 as int8,
 //        vpmaddwd multiplies it with A * 2**t held as int16 per block
 //        (fp4_groups64_int).
@@ -804,7 +804,7 @@ struct Fp4IntActivation;  // one row's int16 activation for the AVX2 MXFP4 path 
 // kFp4IntMaxM rows (the avx2 decode limit, DECODE_MAX_M in linear.py); four
 // weight rows x 1-2 activation rows at M <= kFp4IntWideMaxM, from M = 3 one
 // weight row x near-equal row tiles of at most kFp4IntTileRows rows.
-constexpr int kFp4IntMaxM = 16;
+constexpr int kFp4IntMaxM = 24;
 constexpr int kFp4IntWideMaxM = 2;
 constexpr int kFp4IntTileRows = 4;
 
@@ -824,9 +824,15 @@ struct WeightView {
 // 16-wide chunks; the scalar pass covers the rest (all of it when the
 // block's folded scale would overflow). Returns 1 when the tile ran the AVX2
 // MXFP4 int path (fp4_groups64_int), else 0.
+// Never inlined: GCC inlined the 4- and 5-row single-weight-row tiles into
+// decode_rows and the 5-row one ran 1.2x slower per row than 4 or 6 rows
+// (avx2 level, fp8, kernel calls interleaved, 21 rounds, Zen 4: 4096 x 4096 M = 5
+// 810-818 us per row inlined, 672-677 not; M = 4 697-703, M = 6 664-671
+// either way; fp4 and fp8 at M = 1-3, 6-16 within 3%).
 template <class Fmt, class S, int MT, int NT>
-int dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t a_stride, int a_exp,
-              const Fp4IntActivation* fp4_int, int64_t m0, int64_t n0, float* out, int64_t N) {
+__attribute__((noinline)) int dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t a_stride,
+                                       int a_exp, const Fp4IntActivation* fp4_int, int64_t m0, int64_t n0,
+                                       float* out, int64_t N) {
   const int64_t K = w.K;
   const uint8_t* rows[NT];
   const S* srows[NT];
@@ -961,6 +967,17 @@ int dot_tile(const WeightView& w, const float* A, const float* a_split, int64_t 
   return ran_int;
 }
 
+// The tallest tile over two fp8 weight rows (e8m0 scales, fp8_blocks32: 5 x 2
+// accumulators, the decoded block and two partial sums fill the 16 registers).
+// One weight row per tile (up to 8 rows of A) read all of A once per weight row,
+// from L2 at these sizes; two per tile read it once per pair. avx2 level, kernel
+// calls interleaved (15-21 rounds, Zen 4), time per row over one weight row per
+// tile: M = 4 0.80-0.81, 5 0.78-0.80, 6 0.91-0.92, 8 0.84-0.86, 10 0.77-0.78,
+// 16 0.85; the step from 3 rows (four weight rows per tile) to 4 went from
+// 1.17-1.20x to 0.95-0.97x, and the tile count now steps at 5 -> 6 (1.13-1.14x)
+// and 10 -> 11 (1.09-1.10x).
+constexpr int kPairTileMaxMT = 5;
+
 // All M rows of A against W[n:n+NT, :] in row tiles of near-equal height,
 // at most max_mt (NT = 1: 8, or kFp4IntTileRows on the AVX2 MXFP4 int path;
 // NT = 4: 3, at M <= 3): every tile decodes the weight
@@ -978,7 +995,7 @@ int rows_tile(const WeightView& w, const float* A, const float* a_split, int64_t
     switch (mt) {
 #define TORCH_BQ_ROWS(R)                                       \
   case R:                                                      \
-    if constexpr (R <= (NT == 4 ? 3 : 8)) {                    \
+    if constexpr (R <= (NT == 4 ? 3 : NT == 2 ? kPairTileMaxMT : 8)) { \
       ran_int += dot_tile<Fmt, S, R, NT>(w, A, a_split, a_stride, a_exp, fp4_int, m0, n, out, N); \
     }                                                          \
     break;
@@ -1003,6 +1020,13 @@ void decode_rows(const WeightView& w, const float* A, const float* a_split, int6
   if (M <= (int_path ? kFp4IntWideMaxM : 3)) {  // decode-bound: share each A load across four weight rows
     for (; n + 4 <= n_end; n += 4)
       int_tiles += rows_tile<Fmt, S, 4>(w, A, a_split, a_stride, a_exp, fp4_int, M, n, out, N, 3);
+  }
+  // fp8 with e8m0 scales from 4 rows (fp8_blocks32): two weight rows per tile, so each A
+  // load serves both (see kPairTileMaxMT).
+  if constexpr (std::is_same_v<Fmt, Fp8Format> && std::is_same_v<S, uint8_t>) {
+    if (a_split != nullptr && M >= 4)
+      for (; n + 2 <= n_end; n += 2)
+        rows_tile<Fmt, S, 2>(w, A, a_split, a_stride, a_exp, fp4_int, M, n, out, N, kPairTileMaxMT);
   }
   const int max_mt = int_path ? kFp4IntTileRows : 8;
   for (; n < n_end; ++n)

@@ -69,20 +69,23 @@ __all__ = [
 # 0.92-0.99x of the decode at 64-96 and 0.98-1.01x at 88, so 88 is flat there too;
 # a Zen 4 limit of 56 would gain at most 8% at M = 57-87 (not taken: the limit
 # follows the decode kernels, not the CPU model). Not re-measured on a Zen 5.
-# AVX2 (the avx2 and avx512 libraries; Zen 5, 2026-12-02, a loaded machine),
-# against the fp32 microkernel vectorized over the weight rows (no step at
-# multiples of 16 A rows any more): `--crossover` at M = 6-32, the five
-# benchmark shapes and K = 11008, 33024. The decode's time per row is flat to
-# M = 20 at K <= 11008 and rises earlier at long K (K = 14336: fp8 1.81 ms per
-# row at M = 14, 2.22 at 16; K = 33024: from M = 6); the prefill's falls
-# smoothly. fp8 crosses over at M = 12-14, fp4 at 14-17. prefill(M + 1) /
-# decode(M) at the limits below: fp8 (14; M = 15 interpolated) 0.91-0.99, fp4
-# (16) 0.75-1.05, K = 33024 (8) 0.94 fp8, 1.02 fp4. fp4 at 14 would step up
-# 1.12x at 4096 x 4096; fp8 at 16 would decode K = 14336 through its rise
-# (1.22x from 14 to 16). Re-measure when either path changes.
+# AVX2 (the avx2 and avx512 libraries). Zen 4, 2026-12-07 (stop 25), after the
+# fp8 tiles over two weight rows (kernels.cpp, kPairTileMaxMT) and the MXFP4 int
+# path's reach raised to 24 rows (kFp4IntMaxM): `--crossover --rows 8,...,32`
+# on 4096 x 4096, 2880 x 2880, 4096 x 14336 and 4096 x 33024, kernel calls, ms
+# per row. The fp8 decode's time per row is flat from M = 8 to 32 at every K
+# (4096 x 4096: 0.54-0.58; K = 33024: 4.3-5.1), the prefill's falls past it at
+# M = 22-24 (24: 0.546 against 0.556); the MXFP4 int decode is flat to 16
+# (0.46-0.55) and the prefill meets it at 24 (0.517). At the old limits the
+# prefill just above them cost about 1.24-1.37x (fp8, 14 -> 15) and 1.03-1.28x
+# (fp4, 16 -> 17) the decode's time per row (interpolated between the measured
+# M), and the long-K rule (decode to 8 rows above K = 16384, from when the
+# single-weight-row fp8 tiles re-read all of A per weight row) about 1.5-2.0x
+# at 8 -> 9. Earlier (Zen 5, 2026-12-02) the limits were
+# fp8 14, fp4 16, and 8 above K = 16384. Re-measure when either path changes.
 DECODE_MAX_M = {
     "avx512_bf16": {"fp8": 88, "fp4": 88, "long_k": None},
-    "avx2": {"fp8": 14, "fp4": 16, "long_k": (16384, 8)},
+    "avx2": {"fp8": 22, "fp4": 24, "long_k": None},
     "generic": {"fp8": 16, "fp4": 16, "long_k": None},
 }
 # NVFP4 (nvfp4.cpp), by the build's NVFP4 decode kernels (the kernels'
