@@ -974,13 +974,13 @@ __attribute__((noinline)) int dot_tile(const WeightView& w, const float* A, cons
 // calls interleaved (15-21 rounds, Zen 4), time per row over one weight row per
 // tile: M = 4 0.80-0.81, 5 0.78-0.80, 6 0.91-0.92, 8 0.84-0.86, 10 0.77-0.78,
 // 16 0.85; the step from 3 rows (four weight rows per tile) to 4 went from
-// 1.17-1.20x to 0.95-0.97x, and the tile count now steps at 5 -> 6 (1.13-1.14x)
-// and 10 -> 11 (1.09-1.10x).
+// 1.17-1.20x to 0.95-0.97x, and the tile count now steps at 5 -> 6 and 10 -> 11
+// (1.11-1.15x and 1.09-1.15x in `--cliffs`: each tile decodes its two weight rows).
 constexpr int kPairTileMaxMT = 5;
 
 // All M rows of A against W[n:n+NT, :] in row tiles of near-equal height,
 // at most max_mt (NT = 1: 8, or kFp4IntTileRows on the AVX2 MXFP4 int path;
-// NT = 4: 3, at M <= 3): every tile decodes the weight
+// NT = 2: kPairTileMaxMT; NT = 4: 3, at M <= 3): every tile decodes the weight
 // rows once more, so M = 8 q + r costs q + 1 decodes, never q + 2 or 3 (a
 // tile of 1 or 2 rows after the 8s and 4s was the M = 5 and M = 9 steps).
 // Returns how many of its tiles ran the int path.
