@@ -922,14 +922,14 @@ def test_fp4_extreme_scale_codes(impl, m, low, path):
     assert_linear_close(y, x.to(torch.bfloat16), w)
 
 
-# The levels whose MXFP4 decode at M = 1-24 runs the exact int16 dot products (kernels.cpp,
+# The levels whose MXFP4 decode at M = 1-28 runs the exact int16 dot products (kernels.cpp,
 # fp4_groups64_int): AVX2 without AVX-512 BF16 (that level has its own bf16 kernels).
 INT_LEVELS = [level for level in LEVELS if level in ("avx2", "avx512")]
-INT_MAX_M = 24  # the int path's reach (kernels.cpp: kFp4IntMaxM, the avx2 decode limit)
+INT_MAX_M = 28  # the int path's reach (kernels.cpp: kFp4IntMaxM, the avx2 decode limit)
 # Row counts for the int path's tiles: NT = 4 weight rows x MT = 1, 2 at M <= 2 (and NT = 1
 # for the rows left over); from M = 3 NT = 1 x MT = 2-4 in near-equal row tiles (5: 3 + 2,
-# 6: 3 + 3, 7: 4 + 3, 9: 3 + 3 + 3, 13: 4 + 3 + 3 + 3, 16: 4 x 4, 21: 4 + 4 + 4 + 3 + 3 + 3, 24: 6 x 4).
-INT_ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 21, 24]
+# 6: 3 + 3, 7: 4 + 3, 9: 3 + 3 + 3, 13: 4 + 3 + 3 + 3, 16: 4 x 4, 21: 4 + 4 + 4 + 3 + 3 + 3, 24: 6 x 4, 32: 8 x 4).
+INT_ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 21, 28]
 
 
 def int_tiles_per_row(m):
@@ -961,7 +961,7 @@ def every_nibble(n, k):
 @pytest.mark.parametrize("k", [512, 416, 480, 97 + 256])
 @pytest.mark.parametrize("value", [1.0, -1.5 * 2.0**-20, 1.75 * 2.0**40, 2.0**-113])
 def test_fp4_int_path_one_hot_is_exact(level, k, value):
-    """M = 1-24 (INT_ROWS) through the int path: a one-hot activation row (a single nonzero: t = 14 - its
+    """M = 1-28 (INT_ROWS) through the int path: a one-hot activation row (a single nonzero: t = 14 - its
     exponent) picks one weight column (row r of a call: column m + 37 r), every nibble at every position of the 64-groups (two 4-group
     scale chunks; partial chunks of 2, 3 and 1 groups at K = 416, 480 (and a trailing block)
     and 353 (and a partial block and the padding nibble)) under scale codes that keep the int
@@ -1048,7 +1048,7 @@ def test_fp4_int_path_falls_back_per_block_and_per_tile(level, k, codes, m):
 @pytest.mark.parametrize("level", INT_LEVELS)
 def test_fp4_int_path_runs_for_qdq_activations(level, monkeypatch):
     """The int path serves qdq'd activations (the decode case it is for) and ordinary weights with
-    no fallback at M = 1-24, at the K of the benchmarks' layers; M = 25 (on the decode path here)
+    no fallback at M = 1-28, at the K of the benchmarks' layers; M = 29 (on the decode path here)
     takes the float path."""
     monkeypatch.setattr(fast, "decode_max_m", lambda kernels, fmt, k: 1 << 30)
     torch.manual_seed(3)

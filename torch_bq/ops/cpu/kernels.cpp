@@ -75,7 +75,7 @@
 //        remainders only). Whole 64-groups avoid F16C (the M = 1 limit):
 //        two vpshufb give both bytes of the bf16 encoding, and a bf16 word
 //        is an fp32 after one shift or mask (Fp4Format::decode64_bf16).
-//        At M <= 24 (kFp4IntMaxM, the avx2 decode limit) whole 64-groups
+//        At M <= 28 (kFp4IntMaxM, the avx2 decode limit) whole 64-groups
 //        take exact int16 dot products instead: vpshufb gives W * 2 as int8,
 //        vpmaddwd multiplies it with A * 2**t held as int16 per block
 //        (fp4_groups64_int).
@@ -804,7 +804,7 @@ struct Fp4IntActivation;  // one row's int16 activation for the AVX2 MXFP4 path 
 // kFp4IntMaxM rows (the avx2 decode limit, DECODE_MAX_M in linear.py); four
 // weight rows x 1-2 activation rows at M <= kFp4IntWideMaxM, from M = 3 one
 // weight row x near-equal row tiles of at most kFp4IntTileRows rows.
-constexpr int kFp4IntMaxM = 24;
+constexpr int kFp4IntMaxM = 28;
 constexpr int kFp4IntWideMaxM = 2;
 constexpr int kFp4IntTileRows = 4;
 
@@ -967,16 +967,20 @@ __attribute__((noinline)) int dot_tile(const WeightView& w, const float* A, cons
   return ran_int;
 }
 
-// The tallest tile over two fp8 weight rows (e8m0 scales, fp8_blocks32: 5 x 2
-// accumulators, the decoded block and two partial sums fill the 16 registers).
-// One weight row per tile (up to 8 rows of A) read all of A once per weight row,
+// The tallest tile over two fp8 weight rows (e8m0 scales, fp8_blocks32). One
+// weight row per tile (up to 8 rows of A) read all of A once per weight row,
 // from L2 at these sizes; two per tile read it once per pair. avx2 level, kernel
 // calls interleaved (15-21 rounds, Zen 4), time per row over one weight row per
-// tile: M = 4 0.80-0.81, 5 0.78-0.80, 6 0.91-0.92, 8 0.84-0.86, 10 0.77-0.78,
-// 16 0.85; the step from 3 rows (four weight rows per tile) to 4 went from
-// 1.17-1.20x to 0.95-0.97x, and the tile count now steps at 5 -> 6 and 10 -> 11
-// (1.11-1.15x and 1.09-1.15x in `--cliffs`: each tile decodes its two weight rows).
-constexpr int kPairTileMaxMT = 5;
+// tile, 5 rows at most: M = 4 0.80-0.81, 5 0.78-0.80, 6 0.91-0.92, 8 0.84-0.86,
+// 10 0.77-0.78, 16 0.85; the step from 3 rows (four weight rows per tile) to 4
+// went from 1.17-1.20x to 0.95-0.97x, but the tile count stepped at 5 -> 6 and
+// 10 -> 11 (1.11-1.15x and 1.09-1.15x in `--cliffs`: each tile decodes its two
+// weight rows again). 5 rows are what the 16 registers hold (10 accumulators, the
+// decoded block, two partial sums); from 6 they no longer fit and GCC keeps
+// some accumulators on the stack, which still costs less than decoding both
+// weight rows again for another tile: with 8, M = 6 took 0.76-0.83x and M = 11
+// 0.79-0.90x the time per row of tiles of at most 5.
+constexpr int kPairTileMaxMT = 8;
 
 // All M rows of A against W[n:n+NT, :] in row tiles of near-equal height,
 // at most max_mt (NT = 1: 8, or kFp4IntTileRows on the AVX2 MXFP4 int path;

@@ -71,21 +71,21 @@ __all__ = [
 # follows the decode kernels, not the CPU model). Not re-measured on a Zen 5.
 # AVX2 (the avx2 and avx512 libraries). Zen 4, 2026-12-07 (stop 25), after the
 # fp8 tiles over two weight rows (kernels.cpp, kPairTileMaxMT) and the MXFP4 int
-# path's reach raised to 24 rows (kFp4IntMaxM): `--crossover --rows 8,...,32`
-# on 4096 x 4096, 2880 x 2880, 4096 x 14336 and 4096 x 33024, kernel calls, ms
-# per row. The fp8 decode's time per row is flat from M = 8 to 32 at every K
-# (4096 x 4096: 0.54-0.58; K = 33024: 4.3-5.1), the prefill's falls past it at
-# M = 22-24 (24: 0.546 against 0.556); the MXFP4 int decode is flat to 16
-# (0.46-0.55) and the prefill meets it at 24 (0.517). At the old limits the
-# prefill just above them cost about 1.24-1.37x (fp8, 14 -> 15) and 1.03-1.28x
-# (fp4, 16 -> 17) the decode's time per row (interpolated between the measured
-# M), and the long-K rule (decode to 8 rows above K = 16384, from when the
-# single-weight-row fp8 tiles re-read all of A per weight row) about 1.5-2.0x
-# at 8 -> 9. Earlier (Zen 5, 2026-12-02) the limits were
-# fp8 14, fp4 16, and 8 above K = 16384. Re-measure when either path changes.
+# path's reach raised (kFp4IntMaxM, measured at 32, now 28): `--crossover --rows
+# 16,20,24,28,32,36` on 4096 x 4096, 2880 x 2880, 4096 x 14336 and 4096 x 33024,
+# kernel calls, ms per row. The fp8 decode's time per row is about flat from
+# M = 6 on at every K (4096 x 4096: 0.51-0.54 at 16, 20, 28; 24 and 32 measured
+# 0.66-0.69 once), the prefill's falls past it at M = 28-36; the MXFP4 int
+# decode is flat (0.46-0.55) and the prefill passes it at 20-32. Largest M where
+# decode <= prefill: fp8 28, 36, 28, 28; fp4 28, 32, 24, 20. At 28 the prefill
+# just above costs about 0.93-1.12x the decode's time per row (interpolated).
+# Before the pair tiles (one weight row per tile, fp8 14, fp4 16, and 8 rows
+# above K = 16384, measured on a Zen 5 on 2026-12-02) the prefill just above
+# the limits cost about 1.24-1.37x (fp8), 1.03-1.28x (fp4) and 1.5-2.0x (long
+# K) on this Zen 4. Re-measure when either path changes.
 DECODE_MAX_M = {
     "avx512_bf16": {"fp8": 88, "fp4": 88, "long_k": None},
-    "avx2": {"fp8": 22, "fp4": 24, "long_k": None},
+    "avx2": {"fp8": 28, "fp4": 28, "long_k": None},
     "generic": {"fp8": 16, "fp4": 16, "long_k": None},
 }
 # NVFP4 (nvfp4.cpp), by the build's NVFP4 decode kernels (the kernels'
