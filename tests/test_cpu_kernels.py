@@ -680,6 +680,25 @@ def test_fp8_single_row_scale_factoring_edges(level, case):
     assert_linear_close(y[:, finite], x, w[finite], msg=case)
 
 
+@pytest.mark.parametrize("level", [level for level in LEVELS if level in ("avx2", "avx512")])
+def test_fp8_pair_tiles_under_flush_denormal(level):
+    """With MXCSR's DAZ set (torch.set_flush_denormal; each thread checks its own) the AVX2 fp8
+    tiles over two weight rows skip their whole-block loop (it decodes subnormal weights as
+    inputs) and run the per-block one for every block: M = 4-28, one to four tiles of up to 8
+    rows, 37 weight rows (a single row left over), K not a multiple of 32."""
+    torch.manual_seed(5)
+    d, s = formats.quantize_fp8(torch.randn(37, 200))
+    w = formats.dequantize_fp8(d, s, (32, 32), torch.float32)
+    x = torch.randn(28, 200)
+    torch.set_flush_denormal(True)
+    try:
+        for m in (4, 6, 8, 13, 28):
+            y = FP8[level](x[:m], d, s, None, [32, 32], True, 224.0, torch.float32)
+            assert_linear_close(y, operand(x[:m], True), w, msg=f"M={m}")
+    finally:
+        torch.set_flush_denormal(False)
+
+
 ROW_COUNTS = list(range(1, 34)) + [40, 47, 48, 63, 64]
 
 
