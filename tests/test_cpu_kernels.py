@@ -944,7 +944,6 @@ def test_fp4_extreme_scale_codes(impl, m, low, path):
 # The levels whose MXFP4 decode at M = 1-28 runs the exact int16 dot products (kernels.cpp,
 # fp4_groups64_int): AVX2 without AVX-512 BF16 (that level has its own bf16 kernels).
 INT_LEVELS = [level for level in LEVELS if level in ("avx2", "avx512")]
-INT_MAX_M = 28  # the int path's reach (kernels.cpp: kFp4IntMaxM, the avx2 decode limit)
 # Row counts for the int path's tiles: NT = 4 weight rows x MT = 1, 2 at M <= 2 (and NT = 1
 # for the rows left over); from M = 3 NT = 1 x MT = 2-4 in near-equal row tiles (5: 3 + 2,
 # 6: 3 + 3, 7: 4 + 3, 9: 3 + 3 + 3, 13: 4 + 3 + 3 + 3, 16: 4 x 4, 21: 4 + 4 + 4 + 3 + 3 + 3, 24: 6 x 4, 32: 8 x 4).
@@ -1071,15 +1070,16 @@ def test_fp4_int_path_runs_for_qdq_activations(level, monkeypatch):
     takes the float path."""
     monkeypatch.setattr(fast, "decode_max_m", lambda kernels, fmt, k: 1 << 30)
     torch.manual_seed(3)
-    assert fast.DECODE_MAX_M["avx2"]["fp4"] <= INT_MAX_M  # every fp4 decode call at these levels can take it
+    int_max_m = _backend.cpu_kernels(level).fp4_int_max_m()  # the int path's reach (kFp4IntMaxM)
+    assert fast.DECODE_MAX_M["avx2"]["fp4"] <= int_max_m  # every fp4 decode call at these levels can take it
     for n, k in ((64, 2880), (36, 4096)):
         p, s = formats.quantize_fp4(torch.randn(n, k))
-        for m in (1, 2, 3, 4, 8, 16, 21, INT_MAX_M, INT_MAX_M + 1):
+        for m in (1, 2, 3, 4, 8, 16, 21, int_max_m, int_max_m + 1):
             x = torch.randn(m, k)
             before = fp4_int_counts(level)
             y = FP4[level](x, p, s, None, True, 224.0, torch.float32)
             grown = fp4_int_counts(level) - before
-            if m <= INT_MAX_M:
+            if m <= int_max_m:
                 assert grown[0] == 1 and grown[1] <= m * k // 32 // 8 and grown[2] == 0, grown
                 assert grown[3] == int_tiles(m, n), grown
             else:

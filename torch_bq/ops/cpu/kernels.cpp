@@ -3950,6 +3950,9 @@ std::vector<int64_t> fp4_int_counts() {
 #endif
 }
 
+// The most rows the AVX2 MXFP4 int path takes (kFp4IntMaxM; tests compare the avx2 decode limit with it).
+int64_t fp4_int_max_m() { return kFp4IntMaxM; }
+
 std::vector<int64_t> decode_counts() { return {dot_decode_calls[0].load(), dot_decode_calls[1].load()}; }
 
 // The fewest rows the AVX-512 BF16 decode runs on its folded tiles, [fp8, fp4]
@@ -4037,6 +4040,7 @@ TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
   m.def("decode_counts() -> int[]", &torch_bq_cpu::decode_counts);
   m.def("fp4_int_counts() -> int[]", &torch_bq_cpu::fp4_int_counts);
   m.def("decode_fold_rows() -> int[]", &torch_bq_cpu::decode_fold_rows);
+  m.def("fp4_int_max_m() -> int", &torch_bq_cpu::fp4_int_max_m);
   m.def("prefill_task_rows() -> int", &torch_bq_cpu::prefill_task_rows);
   m.def("decode_isa() -> str", &torch_bq_cpu::decode_isa);
 }
