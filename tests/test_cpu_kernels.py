@@ -849,6 +849,67 @@ def test_bf16_decode_tiles_around_the_fold_switch(fmt):
         torch.testing.assert_close(y, w.t()[: calls * m], rtol=0, atol=0, msg=lambda e: f"{fmt} M={m}: {e}")
 
 
+@pytest.mark.skipif("avx512_bf16" not in LEVELS, reason="this CPU has no AVX-512 BF16")
+def test_bf16_decode_scales_on_the_activation():
+    """fp8 with 32x32 blocks, 2-6 rows of A: each task of 16 weight rows multiplies A by its
+    scale row once and runs plain dot products (``decode_prescaled_tasks`` counts those tasks),
+    where the codes keep every scaled A word normal and every product at least 2**-126;
+    elsewhere it keeps the per-lane scales. One-hot rows of A = 2**-100 make each output one
+    product, compared exactly: rows 0-31 have code 100 (A * s = 2**-127 is not a normal bf16;
+    scaled anyway, the exponent add would wrap and vdpbf16ps would flush), rows 32-63 code
+    117 (A * s = 2**-110, the lowest the rule takes), rows 64-79 code 116 (one below); each
+    weight row holds every finite e4m3 byte, subnormals included. M = 1 never prescales, nor
+    do 1x32 blocks (scale rows per weight row)."""
+    kernels = _backend.cpu_kernels("avx512_bf16")
+    assert kernels is not None, "the avx512_bf16 CPU kernels did not build or load"
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    n, k = 80, 600  # 5 tasks: two at code 100, two at 117, one at 116; a partial last block
+    nn_, kk = torch.meshgrid(torch.arange(n), torch.arange(k), indexing="ij")
+    data = finite[(nn_ + 7 * kk) % len(finite)]
+    row_codes = torch.tensor([100, 117, 116], dtype=torch.uint8)
+    scale = row_codes[:, None].expand(3, -(-k // 32)).contiguous()
+    a_value = 2.0**-100
+    w = formats.dequantize_fp8(data, scale, (32, 32), torch.float32)
+    eye = torch.eye(k) * a_value
+
+    def linear(x, data=data, scale=scale, block=(32, 32)):
+        return FP8["avx512_bf16"](x, data, scale, None, list(block), False, 224.0, torch.float32)
+
+    for m in range(1, 7):
+        before = kernels.decode_prescaled_tasks()
+        y = torch.cat([linear(eye[k0 : k0 + m]) for k0 in range(0, k - m + 1, m)])
+        calls = k // m
+        grown = kernels.decode_prescaled_tasks() - before
+        assert grown == (0 if m == 1 else 2 * calls), f"M={m}: {grown} prescaled tasks in {calls} calls"
+        torch.testing.assert_close(y, (w * a_value).t()[: calls * m], rtol=0, atol=0, msg=lambda e: f"M={m}: {e}")
+
+    # The top of the range: A * s at field 254 - (10 + bit width of K rounded up to 64) is the
+    # highest the rule takes (K = 600 -> 640, 10 bits: 234); one more goes back to the per-lane scales.
+    for code, taken in ((234 - 130 + 127, True), (235 - 130 + 127, False)):
+        top = torch.full((1, -(-k // 32)), code, dtype=torch.uint8)
+        wt = formats.dequantize_fp8(data[:16], top, (32, 32), torch.float32)
+        before = kernels.decode_prescaled_tasks()
+        y = linear(eye[:4] / a_value * 2.0**3, data[:16], top)
+        assert (kernels.decode_prescaled_tasks() - before == 1) == taken, f"code {code}"
+        torch.testing.assert_close(y, (wt * 2.0**3).t()[:4], rtol=0, atol=0)
+
+    # A NaN code (255) in a block: its rows are NaN, as the reference's, the others exact.
+    nan_scale = scale.clone()
+    nan_scale[1, 3] = 255
+    y = linear(eye[:3], data, nan_scale)
+    ref = formats.dequantize_fp8(data, nan_scale, (32, 32), torch.float32)
+    assert torch.isnan(y[:, 32:64]).all()
+    torch.testing.assert_close(y[:, :32], (w * a_value).t()[:3, :32], rtol=0, atol=0)
+    torch.testing.assert_close(y[:, 64:], (w * a_value).t()[:3, 64:], rtol=0, atol=0)
+    assert torch.isnan(ref[32:64]).any()
+
+    before = kernels.decode_prescaled_tasks()
+    row_scale = scale.repeat_interleave(32, dim=0)[:n].contiguous()
+    y = linear(eye[:4], data, row_scale, (1, 32))
+    assert kernels.decode_prescaled_tasks() == before, "1x32 blocks prescaled"
+    torch.testing.assert_close(y, (w * a_value).t()[:4], rtol=0, atol=0)
+
+
 @impls
 @pytest.mark.parametrize("block", [(1, 32), (32, 32)])
 def test_fp8_every_byte_at_every_block_position(impl, block, path):

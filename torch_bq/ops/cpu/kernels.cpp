@@ -1219,6 +1219,9 @@ void run_tasks(int64_t count, const Task& task) {
 // tiles only, folded tiles] (tests read them through the decode_counts op to
 // see which tiles a row count took; zero in builds without those kernels).
 std::atomic<int64_t> dot_decode_calls[2];
+// Tasks of the AVX-512 BF16 per-lane-scale tiles that ran on the prescaled A
+// (dotbf16::prescale_activation): the decode_prescaled_tasks op, for tests.
+std::atomic<int64_t> prescaled_tasks{0};
 
 #if defined(TORCH_BQ_AVX512_BF16)  // vdpbf16ps, vpermi2b, AVX-512 BW
 #define TORCH_BQ_DOT_BF16 1
@@ -1479,7 +1482,9 @@ struct Problem {
 constexpr int64_t kAheadGroupsA = 4;
 
 // out[m0:m0+MT, n0:n0+NT]
-template <class D, int MT, int NT>
+// kPre: A already carries the block scales (prescale_activation), so the tile
+// accumulates plain dot products: no scale permute or multiply-add per group.
+template <class D, int MT, int NT, bool kPre = false>
 void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
   const WeightView& w = *p.w;
   const uint8_t* rows[NT];
@@ -1531,6 +1536,13 @@ void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
         dec.decode_masked(rows[j], g, D::valid_bytes(p.row_bytes, g), wv);
       else
         dec.decode(rows[j], g, wv);
+      if constexpr (kPre) {
+        for (int i = 0; i < MT; ++i)
+          for (int r = 0; r < D::kRegs; ++r)
+            acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)wv[r],
+                                         (__m512bh)_mm512_loadu_si512(arows[i] + g * D::kGroupElems + 32 * r));
+        continue;
+      }
       const __m512 s = _mm512_permutexvar_ps(lanes, s16[j]);
       for (int i = 0; i < MT; ++i) {
         const uint16_t* a = arows[i] + g * D::kGroupElems;
@@ -1546,7 +1558,7 @@ void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
     const int64_t left = p.nblocks - kBlocks * g0;
     const __mmask16 svalid = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
     __m512 s16[NT];
-    for (int j = 0; j < NT; ++j) s16[j] = e8m0x16(srows[j] + kBlocks * g0, svalid);
+    for (int j = 0; j < NT; ++j) s16[j] = kPre ? _mm512_setzero_ps() : e8m0x16(srows[j] + kBlocks * g0, svalid);
     const int64_t g1 = std::min(p.ngroups, g0 + kSpan);
     __m512i lanes = lanes0;
     int64_t g = g0;
@@ -1580,7 +1592,7 @@ void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
 template <class D>
 constexpr int kDirectMaxMT = std::is_same_v<D, Fp4Span> ? 2 : 5;
 
-template <class D, int NT>
+template <class D, int NT, bool kPre = false>
 void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
   // Row tiles of near-equal height <= kMaxMT: 8 for NT = 1, 2; kDirectMaxMT<D> for NT = 4.
   constexpr int kMaxMT = NT == 4 ? kDirectMaxMT<D> : 8;
@@ -1592,7 +1604,7 @@ void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
 #define TORCH_BQ_TILE(R)                                                                 \
   case R:                                                                                \
     if constexpr (R <= kMaxMT) {                                                         \
-      tile<D, R, NT>(dec, p, m0, n0);                                                    \
+      tile<D, R, NT, kPre>(dec, p, m0, n0);                                                    \
     }                                                                                    \
     break;
       TORCH_BQ_TILE(1) TORCH_BQ_TILE(2) TORCH_BQ_TILE(3) TORCH_BQ_TILE(4)
@@ -1865,6 +1877,61 @@ bool folded_rows(const D& dec, const Problem& p, int64_t M, int64_t n0, int64_t 
   return true;
 }
 
+// --------------------------------------------------------------------------
+// fp8 with scale rows shared by 16 weight rows (32x32 blocks): the scales on A
+// --------------------------------------------------------------------------
+//
+// Where a task's 16 weight rows share one row of e8m0 codes (w.bn a multiple
+// of 16), A times those scales, block by block, serves all 16: an exponent
+// add on each nonzero bf16 word of A, once per task, instead of a scale
+// permute and a multiply-add per group, weight row and row of A in the
+// tiles. W * (A * s) has the same exact products as the reference's
+// (W * A) * s, so only the fp32 summation order differs. Exact while every
+// scaled word is a normal bf16 and every product a multiple of 2**-126 (A's
+// smallest exponent plus the smallest code's, at least Fp8Dot::kMinExponentA
+// (as for A itself on this path), and the largest below the top of the range
+// by enough that no sum of K products can overflow where the reference's
+// would not); a code 255 (NaN) or one out of that range sends the task's
+// rows to the per-lane scales instead.
+// From 2 rows of A only: at M = 1 the tiles ran 0.72x the time with the
+// weight in L3 (4096 x 4096, kernel calls) but 1.04-1.14x with it in memory
+// (cold, 1 thread, Zen 4: the faster loop streamed the weight less well;
+// prefetching 3 or 4 tiles ahead or into L1 did not help), while M = 2-6 ran
+// 0.82-0.99x cold (4096 x 4096, 2880 x 2880, 4096 x 14336).
+constexpr int64_t kPrescaleMinRows = 2;
+
+// A [M, kp] in Fp8Dot's order times the codes of one scale row, to dst (the
+// same layout and stride); false, nothing written, where the codes rule it out.
+inline bool prescale_activation(const Problem& p, int64_t M, const uint8_t* codes, uint16_t* dst) {
+  int cmin = 255, cmax = 0;
+  for (int64_t b = 0; b < p.nblocks; ++b) {
+    cmin = std::min<int>(cmin, codes[b]);
+    cmax = std::max<int>(cmax, codes[b]);
+  }
+  // Exponent fields of the scaled words; a sum of K products below 448 * 2**(e + 1) each
+  // stays below 2**(e + 10 + bit width of K).
+  const int lowest = p.a_min_field + cmin - 127, highest = p.a_max_field + cmax - 127;
+  const int sum_bits = 10 + 64 - __builtin_clzll(static_cast<uint64_t>(p.kp));
+  if (cmax == 255 || lowest - 127 < Fp8Dot::kMinExponentA || highest + sum_bits > 254) return false;
+  const __m512i magnitude = _mm512_set1_epi16(0x7FFF);  // +-0 keep their bits
+  for (int64_t g0 = 0; g0 < p.ngroups; g0 += 8) {  // 16 blocks of codes at a time
+    const int64_t b0 = 2 * g0, left = p.nblocks - b0;
+    const __mmask16 valid = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __m256i c = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(valid, codes + b0));
+    const __m512i ev = _mm512_castsi256_si512(_mm256_slli_epi16(_mm256_sub_epi16(c, _mm256_set1_epi16(127)), 7));
+    for (int64_t g = g0; g < std::min(p.ngroups, g0 + 8); ++g) {
+      const __m512i e = group_exponents(ev, g - g0);
+      for (int64_t m = 0; m < M; ++m)
+        for (int r = 0; r < Fp8Dot::kRegs; ++r) {
+          const int64_t at = m * p.a_stride + g * 64 + 32 * r;
+          const __m512i x = _mm512_load_si512(p.a + at);
+          _mm512_store_si512(dst + at, _mm512_mask_add_epi16(x, _mm512_test_epi16_mask(x, magnitude), x, e));
+        }
+    }
+  }
+  return true;
+}
+
 // The decode-path call with decoder D (A in its order); false (nothing written)
 // when A cannot take it.
 template <class Fmt, class D>
@@ -1907,9 +1974,30 @@ bool decode_with(const WeightView& w, const float* A, int64_t M, int64_t N, floa
     }
   }
   dot_decode_calls[0].fetch_add(1, std::memory_order_relaxed);
+  constexpr bool kFp8 = std::is_same_v<D, Fp8Dot>;
+  const bool prescale = kFp8 && M >= kPrescaleMinRows && w.bn % kRowsPerTask == 0 && a_min_field != 255;
   run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
     const int64_t n_end = std::min(N, (t + 1) * kRowsPerTask);
     int64_t n = t * kRowsPerTask;
+    if constexpr (kFp8) {
+      if (prescale) {
+        // Per thread, as `kept` above (a task of a bigger call allocates its own).
+        thread_local std::vector<uint16_t> kept_scaled;
+        std::vector<uint16_t> own_scaled;
+        std::vector<uint16_t>& buffer = words <= kKeptWords ? kept_scaled : own_scaled;
+        if (static_cast<int64_t>(buffer.size()) < words) buffer.resize(words);
+        uint16_t* scaled_a = cache_line_aligned(buffer.data());
+        Problem scaled = p;
+        scaled.a = scaled_a;
+        const uint8_t* codes = static_cast<const uint8_t*>(w.scale) + (n / w.bn) * w.scale_stride;
+        if (prescale_activation(p, M, codes, scaled_a)) {
+          prescaled_tasks.fetch_add(1, std::memory_order_relaxed);
+          for (; n + 4 <= n_end; n += 4) rows_tile<D, 4, true>(dec, scaled, M, n);
+          for (; n < n_end; ++n) rows_tile<D, 1, true>(dec, scaled, M, n);
+          return;
+        }
+      }
+    }
     for (; n + 4 <= n_end; n += 4) rows_tile<D, 4>(dec, p, M, n);
     for (; n < n_end; ++n) rows_tile<D, 1>(dec, p, M, n);
   });
@@ -3955,6 +4043,8 @@ int64_t fp4_int_max_m() { return kFp4IntMaxM; }
 
 std::vector<int64_t> decode_counts() { return {dot_decode_calls[0].load(), dot_decode_calls[1].load()}; }
 
+int64_t decode_prescaled_tasks() { return prescaled_tasks.load(); }
+
 // The fewest rows the AVX-512 BF16 decode runs on its folded tiles, [fp8, fp4]
 // (empty in builds without those kernels): the one place tests read them from.
 std::vector<int64_t> decode_fold_rows() {
@@ -4038,6 +4128,7 @@ TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
   m.def("prefill_counts() -> int[]", &torch_bq_cpu::prefill_counts);
   m.def("rowdot_chunks() -> int", &torch_bq_cpu::rowdot_chunks);
   m.def("decode_counts() -> int[]", &torch_bq_cpu::decode_counts);
+  m.def("decode_prescaled_tasks() -> int", &torch_bq_cpu::decode_prescaled_tasks);
   m.def("fp4_int_counts() -> int[]", &torch_bq_cpu::fp4_int_counts);
   m.def("decode_fold_rows() -> int[]", &torch_bq_cpu::decode_fold_rows);
   m.def("fp4_int_max_m() -> int", &torch_bq_cpu::fp4_int_max_m);
