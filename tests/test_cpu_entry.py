@@ -320,6 +320,13 @@ def test_traces_and_transforms_see_the_torch_bq_op():
         assert "torch_bq::fp8_linear" in names, names
     with torch.device("cpu"):  # a TorchFunctionMode
         assert "torch_bq::fp8_linear" in dispatched(lambda: module(x))
+    # torch.export: strict (dynamo traces the module; the wrappers ask is_dynamo_compiling) and
+    # non-strict (the Python runs on fake tensors under a mode, which the direct call declines).
+    for strict in (True, False):
+        exported = torch.export.export(module, (x,), strict=strict)
+        targets = [node.target for node in exported.graph.nodes]
+        assert torch.ops.torch_bq.fp8_linear.default in targets, (strict, targets)
+        assert torch.equal(exported.module()(x), expected)
 
 
 def test_odd_argument_types_get_the_ops_own_errors():

@@ -65,8 +65,10 @@ __all__ = [
 ]
 
 _OP_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Bound once: the eager path of an M = 1 call pays for every attribute lookup from a cold cache.
-_is_compiling = torch.compiler.is_compiling
+# Bound once: the eager path of an M = 1 call pays for every attribute lookup from a cold cache
+# (dynamo-only, as in torch_bq/ops/linear.py: other tracing reaches the direct call with fake
+# tensors under a mode, which it declines).
+_dynamo_tracing = torch.compiler.is_dynamo_compiling
 _fp8_linear_direct = ops.fp8_linear_direct
 _fp4_linear_direct = ops.fp4_linear_direct
 
@@ -341,7 +343,7 @@ class FP8Linear(_RecordsBlock, _QuantizedLinear):
         # every Python call and tensor attribute read costs microseconds from a cold cache.
         out_dtype = dtype if dtype in _OP_OUT_DTYPES else torch.float32
         y = None
-        if not _is_compiling():
+        if not _dynamo_tracing():
             weight, scale, bias = _quantized_tensors(self)
             y = _fp8_linear_direct(x, weight, scale, bias, self.block, self.act_quant, self.act_peak, out_dtype)
         if y is None:
@@ -536,7 +538,7 @@ class FP4Linear(_QuantizedLinear):
         dtype = x.dtype
         out_dtype = dtype if dtype in _OP_OUT_DTYPES else torch.float32
         y = None
-        if not _is_compiling():
+        if not _dynamo_tracing():
             weight, scale, bias = _quantized_tensors(self)
             y = _fp4_linear_direct(x, weight, scale, bias, self.act_quant, self.act_peak, out_dtype)
         if y is None:

@@ -589,7 +589,7 @@ def direct_call_allowed(op, device_type: str) -> bool:
     traces, functorch transforms, dispatch modes, autograd, tensor subclasses) its
     callers and the compiled entry points refuse themselves
     (torch_bq/ops/cpu/linear.py, ``direct_fp8_linear``); callers check
-    ``torch.compiler.is_compiling()`` first, so that dynamo never traces one.
+    ``torch.compiler.is_dynamo_compiling()`` first, so that dynamo never traces one.
     """
     disabled = getattr(op, "_disabled_kernel", None)
     return disabled is not None and device_type not in disabled

@@ -17,9 +17,13 @@ from ..reference import linear as ref
 __all__ = ["fp8_linear", "fp4_linear", "fp8_linear_direct", "fp4_linear_direct", "nvfp4_linear", "bf16_linear", "fp32w_linear", "qdq_fp8"]
 
 
-# torch.compiler.is_compiling itself (dynamo folds this function to True while it traces), bound
-# once: the eager path of an M = 1 call pays for every attribute lookup from a cold cache.
-_is_compiling = torch.compiler.is_compiling
+# Whether dynamo is tracing: it folds torch.compiler.is_dynamo_compiling to True, so the
+# direct call below never reaches a graph. Bound once, and the one-frame check rather than
+# is_compiling (which also calls torch.jit.is_scripting): from a cold cache that second call
+# and its lookups cost 7-11 us of an M = 1 call. Tracing that is not dynamo's (AOTAutograd,
+# make_fx, non-strict export) runs the wrapper on fake or functional tensors under a mode, and
+# the direct call declines those itself (not plain tensors; the entry point refuses modes).
+_dynamo_tracing = torch.compiler.is_dynamo_compiling
 
 #: op name -> a backend's eager direct call (``torch_bq.ops.cpu.linear.direct_fp8_linear``, ...):
 #: the op's positional arguments, the result or ``None`` when the op must be called.
@@ -35,7 +39,7 @@ def fp8_linear_direct(x, weight, scale, bias, block, act_quant, act_peak, out_dt
     """The eager fast path of :func:`fp8_linear`: its result, or ``None`` where the op must be called.
 
     For callers that checked ``block`` and ``act_peak`` once (the modules) and are
-    not under ``torch.compile`` (check ``torch.compiler.is_compiling()`` first).
+    not traced by dynamo (check ``torch.compiler.is_dynamo_compiling()`` first).
     Positional arguments of the op; ``block`` a ``(bn, bk)`` tuple of ints.
     """
     direct = _direct.get("fp8_linear")
@@ -147,7 +151,7 @@ def fp8_linear(
     act_peak = float(act_peak)
     # Eager CPU calls go straight to the kernel where that is safe (see register_direct):
     # the custom-op layers cost more than an M = 1 kernel call on small weights.
-    direct = None if _is_compiling() else _direct.get("fp8_linear")
+    direct = None if _dynamo_tracing() else _direct.get("fp8_linear")
     if direct is not None:
         y = direct(x, weight, scale, bias, block, act_quant, act_peak, out_dtype)
         if y is not None:
@@ -181,7 +185,7 @@ def fp4_linear(
         ``[..., N]`` of ``out_dtype``.
     """
     act_peak = float(act_peak)
-    direct = None if _is_compiling() else _direct.get("fp4_linear")
+    direct = None if _dynamo_tracing() else _direct.get("fp4_linear")
     if direct is not None:
         y = direct(x, weight, scale, bias, act_quant, act_peak, out_dtype)
         if y is not None:

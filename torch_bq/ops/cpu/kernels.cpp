@@ -4154,7 +4154,8 @@ TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
 //   or transforms ops above the dispatcher is on: a TorchFunctionMode, a TorchScript
 //   trace, a functorch transform (vmap, grad, functionalize): each of them must see
 //   the public op. (torch.compile never gets here: the caller asks
-//   torch.compiler.is_compiling() first.)
+//   torch.compiler.is_dynamo_compiling() first; other tracing passes fake or
+//   functional tensors under a mode, which these refuse.)
 //
 // Both record themselves for the profiler under the ops' names. Built only when
 // Python's headers are there (a torch extension build passes their directory):

@@ -239,7 +239,7 @@ def direct_fp8_linear(x, weight, scale, bias, block, act_quant, act_peak, out_dt
     """:func:`fp8_linear` called without the ``torch_bq::`` dispatcher, or ``None`` when it must not be.
 
     For eager calls of the public op (:func:`torch_bq.ops.fp8_linear`, the modules),
-    never under ``torch.compile`` (the caller checks ``torch.compiler.is_compiling()``
+    never traced by dynamo (the caller checks ``torch.compiler.is_dynamo_compiling()``
     first) and with ``block`` already checked: the custom-op layers cost more than a
     whole M = 1 kernel call on small weights from a cold cache. Taken where
     :func:`_direct_route` allows, through the kernel library's Python module, whose
