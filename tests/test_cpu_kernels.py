@@ -818,8 +818,8 @@ def test_bf16_decode_tiles_around_the_fold_switch(fmt):
     a partial last K-block and a partial last 32-block."""
     kernels = _backend.cpu_kernels("avx512_bf16")
     assert kernels is not None, "the avx512_bf16 CPU kernels did not build or load"
-    fold8, fold4 = kernels.decode_fold_rows()
-    fold = fold4 if fmt == "fp4" else fold8
+    fold8, fold4, fold8_shared = kernels.decode_fold_rows()
+    fold = {"fp4": fold4, "fp8 1x32": fold8, "fp8 32x32": fold8_shared}[fmt]
     n, k = 21, 600
     torch.manual_seed(len(fmt))
     codes = torch.randint(120, 135, (n, -(-k // 32)), dtype=torch.uint8)  # the folded range for A = 1
@@ -851,8 +851,9 @@ def test_bf16_decode_tiles_around_the_fold_switch(fmt):
 
 @pytest.mark.skipif("avx512_bf16" not in LEVELS, reason="this CPU has no AVX-512 BF16")
 def test_bf16_decode_scales_on_the_activation():
-    """fp8 with 32x32 blocks, 2-6 rows of A: each task of 16 weight rows multiplies A by its
-    scale row once and runs plain dot products (``decode_prescaled_tasks`` counts those tasks),
+    """fp8 with 32x32 blocks, from 2 rows of A: each task of 16 weight rows multiplies A by its
+    scale row once and runs plain dot products (``decode_prescaled_tasks`` counts those tasks;
+    up to ``decode_fold_rows()[2] - 1`` rows, the folded tiles from there),
     where the codes keep every scaled A word normal and every product at least 2**-126;
     elsewhere it keeps the per-lane scales. One-hot rows of A = 2**-100 make each output one
     product, compared exactly: rows 0-31 have code 100 (A * s = 2**-127 is not a normal bf16;
@@ -875,12 +876,13 @@ def test_bf16_decode_scales_on_the_activation():
     def linear(x, data=data, scale=scale, block=(32, 32)):
         return FP8["avx512_bf16"](x, data, scale, None, list(block), False, 224.0, torch.float32)
 
-    for m in range(1, 7):
+    fold = kernels.decode_fold_rows()[2]
+    for m in range(1, fold + 1):
         before = kernels.decode_prescaled_tasks()
         y = torch.cat([linear(eye[k0 : k0 + m]) for k0 in range(0, k - m + 1, m)])
         calls = k // m
         grown = kernels.decode_prescaled_tasks() - before
-        assert grown == (0 if m == 1 else 2 * calls), f"M={m}: {grown} prescaled tasks in {calls} calls"
+        assert grown == (0 if m in (1, fold) else 2 * calls), f"M={m}: {grown} prescaled tasks in {calls} calls"
         torch.testing.assert_close(y, (w * a_value).t()[: calls * m], rtol=0, atol=0, msg=lambda e: f"M={m}: {e}")
 
     # The top of the range: A * s at field 254 - (10 + bit width of K rounded up to 64) is the

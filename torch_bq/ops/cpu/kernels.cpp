@@ -1257,7 +1257,8 @@ std::atomic<int64_t> prescaled_tasks{0};
 //     s16 = e8m0 scales of the span (per row)
 //     for group g: w[] = decode(W[n, g]); for m: t = sum over r of dot(w[r], A[r])
 //                  acc[m][n] += t * s16[lanes of g]
-// Tiles: below Fold<D>::kMinRows rows (7 for both formats), NT = 4 weight rows x
+// Tiles: below Fold<D>::kMinRows rows (7 for both formats; fp8 whose scale rows
+// serve 16 weight rows: kPrescaleMaxRows + 1, with A prescaled), NT = 4 weight rows x
 // MT = 1-5 rows (fp4: Fp4Span for 1 and 2 rows, Fp4Dot from 3)
 // with the per-lane scales above (taller M: several row tiles over the same 4
 // weight rows, the later ones reading them from L1); from there the folded
@@ -1899,6 +1900,18 @@ bool folded_rows(const D& dec, const Problem& p, int64_t M, int64_t n0, int64_t 
 // prefetching 3 or 4 tiles ahead or into L1 did not help), while M = 2-6 ran
 // 0.82-0.99x cold (4096 x 4096, 2880 x 2880, 4096 x 14336).
 constexpr int64_t kPrescaleMinRows = 2;
+// Up to 9 rows the prescaled tiles (two or three tiles over the same 4 weight
+// rows from M = 6) ran faster than the folded ones (time per row, kernel
+// calls, cold, 15-21 rounds, Zen 4; 4096 x 4096 / 2880 x 2880 / 4096 x 14336):
+// M = 7 272 / 138 / 1097 us against 304 / 151 / 1309, M = 8 251 / 132 / 1066
+// against 297 / 141 / 1271, M = 9 259 / 133 / 1103 against 272 / 139 / 1230;
+// from 10 about even (10-12 within 3%, but 4096 x 14336 M = 10 1369 against
+// 1188), 16 slower (246 / 125 / 1168 against 228 / 116 / 1051). In a slower
+// stretch of the machine (21 rounds, those shapes and 14336 x 4096): M = 7
+// 0.89-1.00x, 8 0.90-1.02x, 9 1.01-1.07x the folded tiles' time; with the
+// folded tiles from 7, the prescaled M = 6 had made 6 -> 7 a step of up to
+// 1.10x per row, now 0.92-0.96x (9 -> 10: 0.95-1.00x).
+constexpr int64_t kPrescaleMaxRows = 9;
 
 // A [M, kp] in Fp8Dot's order times the codes of one scale row, to dst (the
 // same layout and stride); false, nothing written, where the codes rule it out.
@@ -1958,8 +1971,11 @@ bool decode_with(const WeightView& w, const float* A, int64_t M, int64_t N, floa
   const Problem p{&w, a, a_min_field, a_max_field, kp, a_stride, kp / D::kGroupElems, (w.K + 31) / 32,
                   Fmt::row_bytes(w.K), out, N};
   constexpr int64_t kRowsPerTask = 16;  // a multiple of every NT and of kFoldRows
+  constexpr bool kFp8 = std::is_same_v<D, Fp8Dot>;
+  // Scales on A where a task's weight rows share a scale row (see prescale_activation).
+  const bool prescale = kFp8 && w.bn % kRowsPerTask == 0 && a_min_field != 255 && M >= kPrescaleMinRows;
   if constexpr (std::is_same_v<D, typename DotFor<Fmt>::type>) {
-    if (M >= Fold<D>::kMinRows) {
+    if (M >= (prescale ? kPrescaleMaxRows + 1 : Fold<D>::kMinRows)) {
       dot_decode_calls[1].fetch_add(1, std::memory_order_relaxed);
       run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
         thread_local FoldBuffers buf;
@@ -1974,8 +1990,6 @@ bool decode_with(const WeightView& w, const float* A, int64_t M, int64_t N, floa
     }
   }
   dot_decode_calls[0].fetch_add(1, std::memory_order_relaxed);
-  constexpr bool kFp8 = std::is_same_v<D, Fp8Dot>;
-  const bool prescale = kFp8 && M >= kPrescaleMinRows && w.bn % kRowsPerTask == 0 && a_min_field != 255;
   run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
     const int64_t n_end = std::min(N, (t + 1) * kRowsPerTask);
     int64_t n = t * kRowsPerTask;
@@ -4045,11 +4059,13 @@ std::vector<int64_t> decode_counts() { return {dot_decode_calls[0].load(), dot_d
 
 int64_t decode_prescaled_tasks() { return prescaled_tasks.load(); }
 
-// The fewest rows the AVX-512 BF16 decode runs on its folded tiles, [fp8, fp4]
-// (empty in builds without those kernels): the one place tests read them from.
+// The fewest rows the AVX-512 BF16 decode runs on its folded tiles, [fp8, fp4, fp8
+// whose scale rows serve 16 weight rows (A prescaled below that)] (empty in builds
+// without those kernels): the one place tests read them from.
 std::vector<int64_t> decode_fold_rows() {
 #if defined(TORCH_BQ_DOT_BF16)
-  return {dotbf16::Fold<dotbf16::Fp8Dot>::kMinRows, dotbf16::Fold<dotbf16::Fp4Dot>::kMinRows};
+  return {dotbf16::Fold<dotbf16::Fp8Dot>::kMinRows, dotbf16::Fold<dotbf16::Fp4Dot>::kMinRows,
+          dotbf16::kPrescaleMaxRows + 1};
 #else
   return {};
 #endif
