@@ -1554,12 +1554,21 @@ void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
       }
     }
   };
+  if constexpr (kPre) {
+    // One loop over all groups: in the span loop below GCC kept the accumulators on the
+    // stack between spans (a load and a store of each per 8 groups); without it, M = 4-9
+    // ran 0.80-0.97x the time (kernel calls, cold, Zen 4).
+    const __m512 none[NT] = {};
+    int64_t g = 0;
+    for (; g < std::min(p.ngroups, full); ++g) group(g, none, lanes0, std::false_type{});
+    for (; g < p.ngroups; ++g) group(g, none, lanes0, std::true_type{});
+  } else
   for (int64_t g0 = 0; g0 < p.ngroups; g0 += kSpan) {
     // Scales of blocks kBlocks g0 .. kBlocks g0 + 15 (the kSpan groups from g0).
     const int64_t left = p.nblocks - kBlocks * g0;
     const __mmask16 svalid = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
     __m512 s16[NT];
-    for (int j = 0; j < NT; ++j) s16[j] = kPre ? _mm512_setzero_ps() : e8m0x16(srows[j] + kBlocks * g0, svalid);
+    for (int j = 0; j < NT; ++j) s16[j] = e8m0x16(srows[j] + kBlocks * g0, svalid);
     const int64_t g1 = std::min(p.ngroups, g0 + kSpan);
     __m512i lanes = lanes0;
     int64_t g = g0;
@@ -1900,18 +1909,15 @@ bool folded_rows(const D& dec, const Problem& p, int64_t M, int64_t n0, int64_t 
 // prefetching 3 or 4 tiles ahead or into L1 did not help), while M = 2-6 ran
 // 0.82-0.99x cold (4096 x 4096, 2880 x 2880, 4096 x 14336).
 constexpr int64_t kPrescaleMinRows = 2;
-// Up to 9 rows the prescaled tiles (two or three tiles over the same 4 weight
-// rows from M = 6) ran faster than the folded ones (time per row, kernel
-// calls, cold, 15-21 rounds, Zen 4; 4096 x 4096 / 2880 x 2880 / 4096 x 14336):
-// M = 7 272 / 138 / 1097 us against 304 / 151 / 1309, M = 8 251 / 132 / 1066
-// against 297 / 141 / 1271, M = 9 259 / 133 / 1103 against 272 / 139 / 1230;
-// from 10 about even (10-12 within 3%, but 4096 x 14336 M = 10 1369 against
-// 1188), 16 slower (246 / 125 / 1168 against 228 / 116 / 1051). In a slower
-// stretch of the machine (21 rounds, those shapes and 14336 x 4096): M = 7
-// 0.89-1.00x, 8 0.90-1.02x, 9 1.01-1.07x the folded tiles' time; with the
-// folded tiles from 7, the prescaled M = 6 had made 6 -> 7 a step of up to
-// 1.10x per row, now 0.92-0.96x (9 -> 10: 0.95-1.00x).
-constexpr int64_t kPrescaleMaxRows = 9;
+// Up to 10 rows the prescaled tiles (two tiles over the same 4 weight rows
+// from M = 6, three from 11) ran as fast as the folded ones or faster, from 11
+// slower (time per row, kernel calls, cold, 11 rounds, Zen 4; prescaled against
+// folded, 4096 x 4096 / 2880 x 2880 / 4096 x 14336): M = 10 260 / 124 / 867
+// against 310 / 125 / 907 us, M = 11 279 / 130 / 927 against 236 / 120 / 849,
+// M = 16 266 / 142 / 921 against 229 / 142 / 810. An earlier build (span loop,
+// see tile()) crossed at 9-10; with the folded tiles from 7, the prescaled M = 6
+// had made 6 -> 7 a step of up to 1.10x per row.
+constexpr int64_t kPrescaleMaxRows = 10;
 
 // A [M, kp] in Fp8Dot's order times the codes of one scale row, to dst (the
 // same layout and stride); false, nothing written, where the codes rule it out.
