@@ -851,8 +851,8 @@ def test_bf16_decode_tiles_around_the_fold_switch(fmt):
 
 @pytest.mark.skipif("avx512_bf16" not in LEVELS, reason="this CPU has no AVX-512 BF16")
 def test_bf16_decode_scales_on_the_activation():
-    """fp8 with 32x32 blocks, from 2 rows of A: each task of 16 weight rows multiplies A by its
-    scale row once and runs plain dot products (``decode_prescaled_tasks`` counts those tasks;
+    """fp8 with 32x32 blocks, from 2 rows of A: the weight rows of each scale row multiply A by
+    it once and run plain dot products (``decode_prescaled_rows`` counts those weight rows;
     up to ``decode_fold_rows()[2] - 1`` rows, the folded tiles from there),
     where the codes keep every scaled A word normal and every product at least 2**-126;
     elsewhere it keeps the per-lane scales. One-hot rows of A = 2**-100 make each output one
@@ -864,7 +864,7 @@ def test_bf16_decode_scales_on_the_activation():
     kernels = _backend.cpu_kernels("avx512_bf16")
     assert kernels is not None, "the avx512_bf16 CPU kernels did not build or load"
     finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
-    n, k = 80, 600  # 5 tasks: two at code 100, two at 117, one at 116; a partial last block
+    n, k = 80, 600  # three scale rows: 32 weight rows at code 100, 32 at 117, 16 at 116; a partial last block
     nn_, kk = torch.meshgrid(torch.arange(n), torch.arange(k), indexing="ij")
     data = finite[(nn_ + 7 * kk) % len(finite)]
     row_codes = torch.tensor([100, 117, 116], dtype=torch.uint8)
@@ -878,11 +878,11 @@ def test_bf16_decode_scales_on_the_activation():
 
     fold = kernels.decode_fold_rows()[2]
     for m in range(1, fold + 1):
-        before = kernels.decode_prescaled_tasks()
+        before = kernels.decode_prescaled_rows()
         y = torch.cat([linear(eye[k0 : k0 + m]) for k0 in range(0, k - m + 1, m)])
         calls = k // m
-        grown = kernels.decode_prescaled_tasks() - before
-        assert grown == (0 if m in (1, fold) else 2 * calls), f"M={m}: {grown} prescaled tasks in {calls} calls"
+        grown = kernels.decode_prescaled_rows() - before
+        assert grown == (0 if m in (1, fold) else 32 * calls), f"M={m}: {grown} prescaled rows in {calls} calls"
         torch.testing.assert_close(y, (w * a_value).t()[: calls * m], rtol=0, atol=0, msg=lambda e: f"M={m}: {e}")
 
     # The top of the range: A * s at field 254 - (10 + bit width of K rounded up to 64) is the
@@ -890,9 +890,9 @@ def test_bf16_decode_scales_on_the_activation():
     for code, taken in ((234 - 130 + 127, True), (235 - 130 + 127, False)):
         top = torch.full((1, -(-k // 32)), code, dtype=torch.uint8)
         wt = formats.dequantize_fp8(data[:16], top, (32, 32), torch.float32)
-        before = kernels.decode_prescaled_tasks()
+        before = kernels.decode_prescaled_rows()
         y = linear(eye[:4] / a_value * 2.0**3, data[:16], top)
-        assert (kernels.decode_prescaled_tasks() - before == 1) == taken, f"code {code}"
+        assert (kernels.decode_prescaled_rows() - before == 16) == taken, f"code {code}"
         torch.testing.assert_close(y, (wt * 2.0**3).t()[:4], rtol=0, atol=0)
 
     # A NaN code (255) in a block: its rows are NaN, as the reference's, the others exact.
@@ -905,10 +905,10 @@ def test_bf16_decode_scales_on_the_activation():
     torch.testing.assert_close(y[:, 64:], (w * a_value).t()[:3, 64:], rtol=0, atol=0)
     assert torch.isnan(ref[32:64]).any()
 
-    before = kernels.decode_prescaled_tasks()
+    before = kernels.decode_prescaled_rows()
     row_scale = scale.repeat_interleave(32, dim=0)[:n].contiguous()
     y = linear(eye[:4], data, row_scale, (1, 32))
-    assert kernels.decode_prescaled_tasks() == before, "1x32 blocks prescaled"
+    assert kernels.decode_prescaled_rows() == before, "1x32 blocks prescaled"
     torch.testing.assert_close(y, (w * a_value).t()[:4], rtol=0, atol=0)
 
 

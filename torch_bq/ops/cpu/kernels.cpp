@@ -1219,9 +1219,9 @@ void run_tasks(int64_t count, const Task& task) {
 // tiles only, folded tiles] (tests read them through the decode_counts op to
 // see which tiles a row count took; zero in builds without those kernels).
 std::atomic<int64_t> dot_decode_calls[2];
-// Tasks of the AVX-512 BF16 per-lane-scale tiles that ran on the prescaled A
-// (dotbf16::prescale_activation): the decode_prescaled_tasks op, for tests.
-std::atomic<int64_t> prescaled_tasks{0};
+// Weight rows the AVX-512 BF16 per-lane-scale tiles ran against the prescaled A
+// (dotbf16::prescale_activation): the decode_prescaled_rows op, for tests.
+std::atomic<int64_t> prescaled_rows{0};
 
 #if defined(TORCH_BQ_AVX512_BF16)  // vdpbf16ps, vpermi2b, AVX-512 BW
 #define TORCH_BQ_DOT_BF16 1
@@ -1684,6 +1684,12 @@ constexpr int kFoldMaxMT = 5;
 // the wrong slots).
 static_assert(kFoldMaxMT >= 5, "a folded row tile of 2 rows at M >= 3 would misread the accumulator slots");
 
+// (code - 127) << 7 for 16 e8m0 codes as bf16 words: the exponent add of each block's scale.
+inline __m512i block_exponents(__m128i codes) {
+  const __m256i c = _mm256_cvtepu8_epi16(codes);
+  return _mm512_castsi256_si512(_mm256_slli_epi16(_mm256_sub_epi16(c, _mm256_set1_epi16(127)), 7));
+}
+
 // The exponent add of group gg of a K-block on each bf16 word: words 0-15 get
 // block 2 gg's, words 16-31 block 2 gg + 1's. `ev` holds (code - 127) << 7
 // for the K-block's 16 blocks.
@@ -1754,8 +1760,7 @@ inline bool fold_block(const D& dec, const Problem& p, const uint8_t* row, const
   if ((_mm_mask_cmplt_epu8_mask(cvalid, c8, _mm_set1_epi8(static_cast<char>(lowest))) |
        _mm_mask_cmpgt_epu8_mask(cvalid, c8, _mm_set1_epi8(static_cast<char>(Fold<D>::kMaxCode)))) != 0)
     return false;
-  const __m256i codes = _mm256_cvtepu8_epi16(c8);
-  const __m512i ev = _mm512_castsi256_si512(_mm256_slli_epi16(_mm256_sub_epi16(codes, _mm256_set1_epi16(127)), 7));
+  const __m512i ev = block_exponents(c8);
   const uint8_t* bytes = row + g0 * D::kGroupBytes;
   if (groups == kFoldGroups && (g0 + kFoldGroups) * D::kGroupBytes <= p.row_bytes) {
 #pragma GCC unroll 8
@@ -1891,9 +1896,10 @@ bool folded_rows(const D& dec, const Problem& p, int64_t M, int64_t n0, int64_t 
 // fp8 with scale rows shared by 16 weight rows (32x32 blocks): the scales on A
 // --------------------------------------------------------------------------
 //
-// Where a task's 16 weight rows share one row of e8m0 codes (w.bn a multiple
-// of 16), A times those scales, block by block, serves all 16: an exponent
-// add on each nonzero bf16 word of A, once per task, instead of a scale
+// Where the weight rows of a task share one row of e8m0 codes (w.bn a multiple
+// of 16; a task is then one scale row's w.bn rows, up to 128), A times those
+// scales, block by block, serves them all: an exponent add on each nonzero
+// bf16 word of A, once per task, instead of a scale
 // permute and a multiply-add per group, weight row and row of A in the
 // tiles. W * (A * s) has the same exact products as the reference's
 // (W * A) * s, so only the fp32 summation order differs. Exact while every
@@ -1936,8 +1942,7 @@ inline bool prescale_activation(const Problem& p, int64_t M, const uint8_t* code
   for (int64_t g0 = 0; g0 < p.ngroups; g0 += 8) {  // 16 blocks of codes at a time
     const int64_t b0 = 2 * g0, left = p.nblocks - b0;
     const __mmask16 valid = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    const __m256i c = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(valid, codes + b0));
-    const __m512i ev = _mm512_castsi256_si512(_mm256_slli_epi16(_mm256_sub_epi16(c, _mm256_set1_epi16(127)), 7));
+    const __m512i ev = block_exponents(_mm_maskz_loadu_epi8(valid, codes + b0));
     for (int64_t g = g0; g < std::min(p.ngroups, g0 + 8); ++g) {
       const __m512i e = group_exponents(ev, g - g0);
       for (int64_t m = 0; m < M; ++m)
@@ -1951,6 +1956,16 @@ inline bool prescale_activation(const Problem& p, int64_t M, const uint8_t* code
   return true;
 }
 
+// `words` bf16 words for A's rows, from a cache line on: `kept` (per thread, kept
+// between calls) up to kKeptWords (256 KiB), so that a small call pays no heap
+// allocation and zero fill of its own; `own` (per call) above that.
+constexpr int64_t kKeptWords = int64_t(1) << 17;
+inline uint16_t* a_rows_buffer(std::vector<uint16_t>& kept, std::vector<uint16_t>& own, int64_t words) {
+  std::vector<uint16_t>& buffer = words <= kKeptWords ? kept : own;
+  if (static_cast<int64_t>(buffer.size()) < words) buffer.resize(words);
+  return cache_line_aligned(buffer.data());
+}
+
 // The decode-path call with decoder D (A in its order); false (nothing written)
 // when A cannot take it.
 template <class Fmt, class D>
@@ -1960,16 +1975,11 @@ bool decode_with(const WeightView& w, const float* A, int64_t M, int64_t N, floa
   // of 4 KiB, the rows of a K-block would all fall into the same L1 sets.
   // The buffer starts on a cache line, so no 64-byte load of A straddles two.
   const int64_t a_stride = kp + 32;
-  // Kept per thread up to kKeptWords (256 KiB), so that a small call does not
-  // pay a heap allocation and a zero fill of its own; allocated per call above
-  // that. Nothing reads the rows' padding (or the words before `a`).
-  constexpr int64_t kKeptWords = int64_t(1) << 17;
+  // Nothing reads the rows' padding (or the words before `a`).
   const int64_t words = M * a_stride + 32;
   thread_local std::vector<uint16_t> kept;
   std::vector<uint16_t> own;
-  std::vector<uint16_t>& a_buffer = words <= kKeptWords ? kept : own;
-  if (static_cast<int64_t>(a_buffer.size()) < words) a_buffer.resize(words);
-  uint16_t* a = cache_line_aligned(a_buffer.data());
+  uint16_t* a = a_rows_buffer(kept, own, words);
   int a_max_field = 0;
   const int a_min_field = prepare_activation<D>(A, M, w.K, kp, a_stride, a, &a_max_field);
   if (a_min_field < 0 || (a_min_field != 255 && a_min_field - 127 < D::kMinExponentA)) return false;
@@ -1996,22 +2006,22 @@ bool decode_with(const WeightView& w, const float* A, int64_t M, int64_t N, floa
     }
   }
   dot_decode_calls[0].fetch_add(1, std::memory_order_relaxed);
-  run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
-    const int64_t n_end = std::min(N, (t + 1) * kRowsPerTask);
-    int64_t n = t * kRowsPerTask;
+  // Prescaling, a task is the weight rows of one scale row (up to 128; more would
+  // leave too few tasks for the threads), so that A is scaled once per scale row.
+  const int64_t task_rows = prescale && w.bn <= 128 ? w.bn : kRowsPerTask;
+  run_tasks((N + task_rows - 1) / task_rows, [&](int64_t t) {
+    const int64_t n_end = std::min(N, (t + 1) * task_rows);
+    int64_t n = t * task_rows;
     if constexpr (kFp8) {
       if (prescale) {
-        // Per thread, as `kept` above (a task of a bigger call allocates its own).
         thread_local std::vector<uint16_t> kept_scaled;
         std::vector<uint16_t> own_scaled;
-        std::vector<uint16_t>& buffer = words <= kKeptWords ? kept_scaled : own_scaled;
-        if (static_cast<int64_t>(buffer.size()) < words) buffer.resize(words);
-        uint16_t* scaled_a = cache_line_aligned(buffer.data());
+        uint16_t* scaled_a = a_rows_buffer(kept_scaled, own_scaled, words);
         Problem scaled = p;
         scaled.a = scaled_a;
         const uint8_t* codes = static_cast<const uint8_t*>(w.scale) + (n / w.bn) * w.scale_stride;
         if (prescale_activation(p, M, codes, scaled_a)) {
-          prescaled_tasks.fetch_add(1, std::memory_order_relaxed);
+          prescaled_rows.fetch_add(n_end - n, std::memory_order_relaxed);
           for (; n + 4 <= n_end; n += 4) rows_tile<D, 4, true>(dec, scaled, M, n);
           for (; n < n_end; ++n) rows_tile<D, 1, true>(dec, scaled, M, n);
           return;
@@ -4063,7 +4073,7 @@ int64_t fp4_int_max_m() { return kFp4IntMaxM; }
 
 std::vector<int64_t> decode_counts() { return {dot_decode_calls[0].load(), dot_decode_calls[1].load()}; }
 
-int64_t decode_prescaled_tasks() { return prescaled_tasks.load(); }
+int64_t decode_prescaled_rows() { return prescaled_rows.load(); }
 
 // The fewest rows the AVX-512 BF16 decode runs on its folded tiles, [fp8, fp4, fp8
 // whose scale rows serve 16 weight rows (A prescaled below that)] (empty in builds
@@ -4150,7 +4160,7 @@ TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
   m.def("prefill_counts() -> int[]", &torch_bq_cpu::prefill_counts);
   m.def("rowdot_chunks() -> int", &torch_bq_cpu::rowdot_chunks);
   m.def("decode_counts() -> int[]", &torch_bq_cpu::decode_counts);
-  m.def("decode_prescaled_tasks() -> int", &torch_bq_cpu::decode_prescaled_tasks);
+  m.def("decode_prescaled_rows() -> int", &torch_bq_cpu::decode_prescaled_rows);
   m.def("fp4_int_counts() -> int[]", &torch_bq_cpu::fp4_int_counts);
   m.def("decode_fold_rows() -> int[]", &torch_bq_cpu::decode_fold_rows);
   m.def("fp4_int_max_m() -> int", &torch_bq_cpu::fp4_int_max_m);
