@@ -1259,7 +1259,7 @@ std::atomic<int64_t> prescaled_rows{0};
 //                  acc[m][n] += t * s16[lanes of g]
 // Tiles: below Fold<D>::kMinRows rows (7 for both formats; fp8 whose scale rows
 // serve 16 weight rows: kPrescaleMaxRows + 1, with A prescaled), NT = 4 weight rows x
-// MT = 1-5 rows (fp4: Fp4Span for 1 and 2 rows, Fp4Dot from 3)
+// MT = 1-5 rows (6 with A prescaled; fp4: Fp4Span for 1 and 2 rows, Fp4Dot from 3)
 // with the per-lane scales above (taller M: several row tiles over the same 4
 // weight rows, the later ones reading them from L1); from there the folded
 // K-block tiles (section "From Fold<D>::kMinRows rows" below), for every e8m0
@@ -1524,8 +1524,10 @@ void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
     // weight rows that makes 9 or more streams, more than the hardware
     // prefetchers follow, and where A does not fit in L1 (K = 4096 and up) each
     // A load then waited on L2. Without this the fp8 5-row tile took 1.2-1.7x
-    // the time of two tiles of 2 and 3 rows; with it 0.90-0.91x.
-    if constexpr (MT >= 5) {
+    // the time of two tiles of 2 and 3 rows; with it 0.90-0.91x. Not the
+    // prescaled 6-row tile: with these 12 prefetches per group it took 1.05-1.09x
+    // the time it takes without them (kernel calls, weights in L3, Zen 4).
+    if constexpr (MT >= 5 && !(kPre && MT >= 6)) {
       for (int i = 0; i < MT; ++i)
         for (int r = 0; r < D::kRegs; ++r)
           _mm_prefetch(reinterpret_cast<const char*>(arows[i] + (g + kAheadGroupsA) * D::kGroupElems + 32 * r),
@@ -1601,11 +1603,18 @@ void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
 // "The fp8 M = 4 -> 5 step: A's streams (stop 22 ...)" of docs/benchmarks.md).
 template <class D>
 constexpr int kDirectMaxMT = std::is_same_v<D, Fp4Span> ? 2 : 5;
+// With A prescaled (no scale registers), 6 x 4 accumulators, the byte tables and the
+// decoded pair fit, and M = 6 runs as one tile instead of two of 3 rows, which decode
+// the weight twice: the step from 5 to 6 rows went from 1.16-1.20x the time per row
+// to 1.03-1.07x (kernel calls, cold, 21 rounds, four shapes, Zen 4; see tile() for
+// its A prefetch).
+constexpr int kPrescaledMaxMT = 6;
 
 template <class D, int NT, bool kPre = false>
 void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
-  // Row tiles of near-equal height <= kMaxMT: 8 for NT = 1, 2; kDirectMaxMT<D> for NT = 4.
-  constexpr int kMaxMT = NT == 4 ? kDirectMaxMT<D> : 8;
+  // Row tiles of near-equal height <= kMaxMT: 8 for NT = 1, 2; for NT = 4
+  // kDirectMaxMT<D>, or kPrescaledMaxMT with A prescaled.
+  constexpr int kMaxMT = NT != 4 ? 8 : kPre ? kPrescaledMaxMT : kDirectMaxMT<D>;
   const int64_t tiles = (M + kMaxMT - 1) / kMaxMT;
   int64_t m0 = 0;
   for (int64_t t = 0; t < tiles; ++t) {
