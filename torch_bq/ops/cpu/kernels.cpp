@@ -1607,15 +1607,18 @@ constexpr int kDirectMaxMT = std::is_same_v<D, Fp4Span> ? 2 : 5;
 // decoded pair fit, and M = 6 runs as one tile instead of two of 3 rows, which decode
 // the weight twice: the step from 5 to 6 rows went from 1.16-1.20x the time per row
 // to 1.03-1.07x (kernel calls, cold, 21 rounds, four shapes, Zen 4; see tile() for
-// its A prefetch).
+// its A prefetch). At M = 6 only: per row the 6-row tile is slower than those of 4
+// and 5 rows (M = 12 as 6 + 6 took 1.08-1.20x the time of 4 + 4 + 4), and from 7
+// rows up they take no more tiles (M = 7-10) or one more over a weight already in L1.
 constexpr int kPrescaledMaxMT = 6;
 
 template <class D, int NT, bool kPre = false>
 void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
-  // Row tiles of near-equal height <= kMaxMT: 8 for NT = 1, 2; for NT = 4
-  // kDirectMaxMT<D>, or kPrescaledMaxMT with A prescaled.
+  // Row tiles of near-equal height <= 8 for NT = 1, 2; <= kDirectMaxMT<D> for NT = 4,
+  // or with A prescaled one tile where M = kPrescaledMaxMT.
   constexpr int kMaxMT = NT != 4 ? 8 : kPre ? kPrescaledMaxMT : kDirectMaxMT<D>;
-  const int64_t tiles = (M + kMaxMT - 1) / kMaxMT;
+  const int64_t height = NT == 4 && kPre && M != kPrescaledMaxMT ? kDirectMaxMT<D> : kMaxMT;
+  const int64_t tiles = (M + height - 1) / height;
   int64_t m0 = 0;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t mt = (M - m0) / (tiles - t);
@@ -1924,15 +1927,15 @@ bool folded_rows(const D& dec, const Problem& p, int64_t M, int64_t n0, int64_t 
 // prefetching 3 or 4 tiles ahead or into L1 did not help), while M = 2-6 ran
 // 0.82-0.99x cold (4096 x 4096, 2880 x 2880, 4096 x 14336).
 constexpr int64_t kPrescaleMinRows = 2;
-// Up to 10 rows the prescaled tiles (two tiles over the same 4 weight rows
-// from M = 6, three from 11) ran as fast as the folded ones or faster, from 11
-// slower (time per row, kernel calls, cold, 11 rounds, Zen 4; prescaled against
-// folded, 4096 x 4096 / 2880 x 2880 / 4096 x 14336): M = 10 260 / 124 / 867
-// against 310 / 125 / 907 us, M = 11 279 / 130 / 927 against 236 / 120 / 849,
-// M = 16 266 / 142 / 921 against 229 / 142 / 810. An earlier build (span loop,
-// see tile()) crossed at 9-10; with the folded tiles from 7, the prescaled M = 6
-// had made 6 -> 7 a step of up to 1.10x per row.
-constexpr int64_t kPrescaleMaxRows = 10;
+// Up to 16 rows (up to four tiles over the same 4 weight rows) the prescaled
+// tiles ran as fast as the folded ones or faster, from 18 slower on most shapes
+// (time per row, kernel calls, cold, 21 rounds, Zen 4; prescaled against folded
+// at M = 12 / 16 / 18, us): 4096 x 4096 232 / 231 / 230 against 247 / 228 / 222,
+// 2880 x 2880 125 / 120 / 117 against 130 / 124 / 117, 4096 x 14336 932 / 882 /
+// 920 against 1038 / 987 / 965, 5760 x 2880 228 / 221 / 219 against 232 / 219 /
+// 214, 14336 x 4096 776 / 770 / 766 against 819 / 774 / 752. With the switch at
+// 11 (stop 26), 10 -> 11 was a step of 1.11-1.17x per row (31 rounds, three shapes).
+constexpr int64_t kPrescaleMaxRows = 16;
 
 // A [M, kp] in Fp8Dot's order times the codes of one scale row, to dst (the
 // same layout and stride); false, nothing written, where the codes rule it out.
