@@ -810,7 +810,7 @@ def one_hot_products(linear, k, dtype=torch.float32):
 def test_bf16_decode_tiles_around_the_fold_switch(fmt):
     """The AVX-512 BF16 decode runs its per-lane-scale tiles (up to 5 rows in one tile over 4
     weight rows, 6 as two tiles of 3)
-    below ``decode_fold_rows()`` rows and its folded K-block tiles
+    below ``decode_fold_rows(K)`` rows and its folded K-block tiles
     from there. At each row count around those switches the call takes the tiles it should
     (``decode_counts``) and, with one-hot activations, gives every weight element exactly:
     a row tile that read or wrote the wrong row of A or of the output, or a remainder row it
@@ -818,7 +818,7 @@ def test_bf16_decode_tiles_around_the_fold_switch(fmt):
     a partial last K-block and a partial last 32-block."""
     kernels = _backend.cpu_kernels("avx512_bf16")
     assert kernels is not None, "the avx512_bf16 CPU kernels did not build or load"
-    fold8, fold4, fold8_shared = kernels.decode_fold_rows()
+    fold8, fold4, fold8_shared = kernels.decode_fold_rows(600)
     fold = {"fp4": fold4, "fp8 1x32": fold8, "fp8 32x32": fold8_shared}[fmt]
     n, k = 21, 600
     torch.manual_seed(len(fmt))
@@ -853,7 +853,7 @@ def test_bf16_decode_tiles_around_the_fold_switch(fmt):
 def test_bf16_decode_scales_on_the_activation():
     """fp8 with 32x32 blocks, from 2 rows of A: the weight rows of each scale row multiply A by
     it once and run plain dot products (``decode_prescaled_rows`` counts those weight rows;
-    up to ``decode_fold_rows()[2] - 1`` rows, the folded tiles from there),
+    up to ``decode_fold_rows(K)[2] - 1`` rows, the folded tiles from there),
     where the codes keep every scaled A word normal and every product at least 2**-126;
     elsewhere it keeps the per-lane scales. One-hot rows of A = 2**-100 make each output one
     product, compared exactly: rows 0-31 have code 100 (A * s = 2**-127 is not a normal bf16;
@@ -876,7 +876,7 @@ def test_bf16_decode_scales_on_the_activation():
     def linear(x, data=data, scale=scale, block=(32, 32)):
         return FP8["avx512_bf16"](x, data, scale, None, list(block), False, 224.0, torch.float32)
 
-    fold = kernels.decode_fold_rows()[2]
+    fold = kernels.decode_fold_rows(k)[2]
     for m in range(1, fold + 1):
         before = kernels.decode_prescaled_rows()
         y = torch.cat([linear(eye[k0 : k0 + m]) for k0 in range(0, k - m + 1, m)])
@@ -910,6 +910,23 @@ def test_bf16_decode_scales_on_the_activation():
     y = linear(eye[:4], data, row_scale, (1, 32))
     assert kernels.decode_prescaled_rows() == before, "1x32 blocks prescaled"
     torch.testing.assert_close(y, (w * a_value).t()[:4], rtol=0, atol=0)
+
+    # The switch to the folded tiles depends on K: fewer rows past kPrescaleLongK (8192).
+    k_long = 8256
+    fold_long = kernels.decode_fold_rows(k_long)[2]
+    assert fold_long < kernels.decode_fold_rows(8192)[2]
+    long_data = finite[torch.randint(0, len(finite), (32, k_long), generator=torch.Generator().manual_seed(0))]
+    long_scale = torch.full((1, k_long // 32), 127, dtype=torch.uint8)
+    w_long = formats.dequantize_fp8(long_data, long_scale, (32, 32), torch.float32)
+    for m in (fold_long - 1, fold_long):
+        x = torch.randn(m, k_long, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16).float()
+        before = kernels.decode_prescaled_rows()
+        y = linear(x, long_data, long_scale)
+        grown = kernels.decode_prescaled_rows() - before
+        assert grown == (32 if m < fold_long else 0), f"K = {k_long}, M = {m}: {grown} prescaled rows"
+        # fp32 sums of exact products in some order: within K * 2**-24 * sum |products|.
+        bound = k_long * 2.0**-24 * (x.abs().double() @ w_long.abs().double().t())
+        assert ((y.double() - x.double() @ w_long.double().t()).abs() <= bound).all(), f"K = {k_long}, M = {m}"
 
 
 @impls
@@ -1154,7 +1171,7 @@ def test_fp4_int_path_runs_for_qdq_activations(level, monkeypatch):
 @pytest.mark.parametrize("m", [4, 6, 7, 8, 9, 16, 28, 33])
 @pytest.mark.parametrize("block", [(1, 32), (32, 32)])
 def test_fp8_small_scales_the_folded_tiles_must_refuse(impl, m, block, path):
-    """From 7 rows (``decode_fold_rows()``) the bf16 kernels fold each 32-block's scale into the
+    """From 7 rows (``decode_fold_rows(K)``) the bf16 kernels fold each 32-block's scale into the
     decoded bf16 weights (an exponent add), a K-block of 8 weight rows at a time. That is exact only while w * s is a normal
     bf16: codes below 10 would wrap the exponent into a huge or negative value. Blocks with such
     codes sit among ordinary ones, in the first and the last K-block and in a partial row group

@@ -1258,8 +1258,8 @@ std::atomic<int64_t> prescaled_rows{0};
 //     for group g: w[] = decode(W[n, g]); for m: t = sum over r of dot(w[r], A[r])
 //                  acc[m][n] += t * s16[lanes of g]
 // Tiles: below Fold<D>::kMinRows rows (7 for both formats; fp8 whose scale rows
-// serve 16 weight rows: kPrescaleMaxRows + 1, with A prescaled), NT = 4 weight rows x
-// MT = 1-5 rows (6 with A prescaled; fp4: Fp4Span for 1 and 2 rows, Fp4Dot from 3)
+// serve 16 weight rows: prescale_max_rows(K) + 1, with A prescaled), NT = 4 weight rows x
+// MT = 1-5 rows (6 with A prescaled and M = 6; fp4: Fp4Span for 1 and 2 rows, Fp4Dot from 3)
 // with the per-lane scales above (taller M: several row tiles over the same 4
 // weight rows, the later ones reading them from L1); from there the folded
 // K-block tiles (section "From Fold<D>::kMinRows rows" below), for every e8m0
@@ -1609,7 +1609,7 @@ constexpr int kDirectMaxMT = std::is_same_v<D, Fp4Span> ? 2 : 5;
 // to 1.03-1.07x (kernel calls, cold, 21 rounds, four shapes, Zen 4; see tile() for
 // its A prefetch). At M = 6 only: per row the 6-row tile is slower than those of 4
 // and 5 rows (M = 12 as 6 + 6 took 1.08-1.20x the time of 4 + 4 + 4), and from 7
-// rows up they take no more tiles (M = 7-10) or one more over a weight already in L1.
+// rows up those take no more tiles (M = 7-10) or one more over a weight in L1.
 constexpr int kPrescaledMaxMT = 6;
 
 template <class D, int NT, bool kPre = false>
@@ -1927,15 +1927,23 @@ bool folded_rows(const D& dec, const Problem& p, int64_t M, int64_t n0, int64_t 
 // prefetching 3 or 4 tiles ahead or into L1 did not help), while M = 2-6 ran
 // 0.82-0.99x cold (4096 x 4096, 2880 x 2880, 4096 x 14336).
 constexpr int64_t kPrescaleMinRows = 2;
-// Up to 16 rows (up to four tiles over the same 4 weight rows) the prescaled
-// tiles ran as fast as the folded ones or faster, from 18 slower on most shapes
-// (time per row, kernel calls, cold, 21 rounds, Zen 4; prescaled against folded
-// at M = 12 / 16 / 18, us): 4096 x 4096 232 / 231 / 230 against 247 / 228 / 222,
-// 2880 x 2880 125 / 120 / 117 against 130 / 124 / 117, 4096 x 14336 932 / 882 /
-// 920 against 1038 / 987 / 965, 5760 x 2880 228 / 221 / 219 against 232 / 219 /
-// 214, 14336 x 4096 776 / 770 / 766 against 819 / 774 / 752. With the switch at
-// 11 (stop 26), 10 -> 11 was a step of 1.11-1.17x per row (31 rounds, three shapes).
-constexpr int64_t kPrescaleMaxRows = 16;
+// Up to 24 rows (up to five tiles over the same 4 weight rows), 16 where K is
+// longer than kPrescaleLongK: there the folded tiles become as fast per row or
+// faster. The prescaled tiles' time per row stays flat in M; the folded ones' falls,
+// and where it meets theirs moved with what ran between the calls (kernel calls,
+// cold, 15-21 rounds, Zen 4). Alone, the folded tiles took 0.97-1.12x the prescaled
+// time per row at M = 16-18 and 0.92-1.04x at 24 (4096 x 4096, 2880 x 2880,
+// 5760 x 2880, 14336 x 4096, 4096 x 14336); with a bf16 F.linear over a 32 MiB
+// weight between the calls (as in the ggml side by side) 1.05-1.14x at 17 and
+// 0.85-1.05x at 24-25. At K = 14336 (4096 x 14336) they took 0.85-1.05x from M = 17
+// to 24 in that setting (two runs; 0.88-0.94x at 24). With the switch at 17 for every K the side by side
+// saw steps of 1.11-1.24x per row at 16 -> 17 on four shapes; with it at 11 (stop
+// 26), 10 -> 11 was one of 1.11-1.17x (31 rounds). 8192 lies between the K
+// measured (4096 and 14336).
+constexpr int64_t kPrescaleMaxRows = 24;
+constexpr int64_t kPrescaleMaxRowsLongK = 16;
+constexpr int64_t kPrescaleLongK = 8192;
+inline int64_t prescale_max_rows(int64_t K) { return K > kPrescaleLongK ? kPrescaleMaxRowsLongK : kPrescaleMaxRows; }
 
 // A [M, kp] in Fp8Dot's order times the codes of one scale row, to dst (the
 // same layout and stride); false, nothing written, where the codes rule it out.
@@ -2003,7 +2011,7 @@ bool decode_with(const WeightView& w, const float* A, int64_t M, int64_t N, floa
   // Scales on A where a task's weight rows share a scale row (see prescale_activation).
   const bool prescale = kFp8 && w.bn % kRowsPerTask == 0 && a_min_field != 255 && M >= kPrescaleMinRows;
   if constexpr (std::is_same_v<D, typename DotFor<Fmt>::type>) {
-    if (M >= (prescale ? kPrescaleMaxRows + 1 : Fold<D>::kMinRows)) {
+    if (M >= (prescale ? prescale_max_rows(w.K) + 1 : Fold<D>::kMinRows)) {
       dot_decode_calls[1].fetch_add(1, std::memory_order_relaxed);
       run_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t t) {
         thread_local FoldBuffers buf;
@@ -4087,13 +4095,13 @@ std::vector<int64_t> decode_counts() { return {dot_decode_calls[0].load(), dot_d
 
 int64_t decode_prescaled_rows() { return prescaled_rows.load(); }
 
-// The fewest rows the AVX-512 BF16 decode runs on its folded tiles, [fp8, fp4, fp8
-// whose scale rows serve 16 weight rows (A prescaled below that)] (empty in builds
-// without those kernels): the one place tests read them from.
-std::vector<int64_t> decode_fold_rows() {
+// The fewest rows the AVX-512 BF16 decode runs on its folded tiles at this K, [fp8,
+// fp4, fp8 whose scale rows serve 16 weight rows (A prescaled below that)] (empty in
+// builds without those kernels): the one place tests read them from.
+std::vector<int64_t> decode_fold_rows(int64_t K) {
 #if defined(TORCH_BQ_DOT_BF16)
   return {dotbf16::Fold<dotbf16::Fp8Dot>::kMinRows, dotbf16::Fold<dotbf16::Fp4Dot>::kMinRows,
-          dotbf16::kPrescaleMaxRows + 1};
+          dotbf16::prescale_max_rows(K) + 1};
 #else
   return {};
 #endif
@@ -4174,7 +4182,7 @@ TORCH_BQ_LIBRARY(TORCH_BQ_OPS, m) {
   m.def("decode_counts() -> int[]", &torch_bq_cpu::decode_counts);
   m.def("decode_prescaled_rows() -> int", &torch_bq_cpu::decode_prescaled_rows);
   m.def("fp4_int_counts() -> int[]", &torch_bq_cpu::fp4_int_counts);
-  m.def("decode_fold_rows() -> int[]", &torch_bq_cpu::decode_fold_rows);
+  m.def("decode_fold_rows(int K) -> int[]", &torch_bq_cpu::decode_fold_rows);
   m.def("fp4_int_max_m() -> int", &torch_bq_cpu::fp4_int_max_m);
   m.def("prefill_task_rows() -> int", &torch_bq_cpu::prefill_task_rows);
   m.def("decode_isa() -> str", &torch_bq_cpu::decode_isa);
