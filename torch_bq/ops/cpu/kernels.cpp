@@ -1605,9 +1605,9 @@ template <class D>
 constexpr int kDirectMaxMT = std::is_same_v<D, Fp4Span> ? 2 : 5;
 // With A prescaled (no scale registers), 6 x 4 accumulators, the byte tables and the
 // decoded pair fit, and M = 6 runs as one tile instead of two of 3 rows, which decode
-// the weight twice: the step from 5 to 6 rows went from 1.16-1.20x the time per row
-// to 1.03-1.07x (kernel calls, cold, 21 rounds, four shapes, Zen 4; see tile() for
-// its A prefetch). At M = 6 only: per row the 6-row tile is slower than those of 4
+// the weight twice: the step from 5 to 6 rows went from 1.18-1.20x the time per row
+// on three of four shapes to 1.03-1.07x (kernel calls, cold, 21 rounds, Zen 4; in
+// the VM's slow stretches the two ran about even; see tile() for its A prefetch). At M = 6 only: per row the 6-row tile is slower than those of 4
 // and 5 rows (M = 12 as 6 + 6 took 1.08-1.20x the time of 4 + 4 + 4), and from 7
 // rows up those take no more tiles (M = 7-10) or one more over a weight in L1.
 constexpr int kPrescaledMaxMT = 6;
