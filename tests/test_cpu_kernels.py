@@ -809,7 +809,7 @@ def one_hot_products(linear, k, dtype=torch.float32):
 @pytest.mark.parametrize("fmt", ["fp8 32x32", "fp8 1x32", "fp4"])
 def test_bf16_decode_tiles_around_the_fold_switch(fmt):
     """The AVX-512 BF16 decode runs its per-lane-scale tiles (up to 5 rows in one tile over 4
-    weight rows, 6 as two tiles of 3)
+    weight rows, 6 as two tiles of 3, or as one with A prescaled)
     below ``decode_fold_rows(K)`` rows and its folded K-block tiles
     from there. At each row count around those switches the call takes the tiles it should
     (``decode_counts``) and, with one-hot activations, gives every weight element exactly:

@@ -1607,9 +1607,10 @@ constexpr int kDirectMaxMT = std::is_same_v<D, Fp4Span> ? 2 : 5;
 // decoded pair fit, and M = 6 runs as one tile instead of two of 3 rows, which decode
 // the weight twice: the step from 5 to 6 rows went from 1.18-1.20x the time per row
 // on three of four shapes to 1.03-1.07x (kernel calls, cold, 21 rounds, Zen 4; in
-// the VM's slow stretches the two ran about even; see tile() for its A prefetch). At M = 6 only: per row the 6-row tile is slower than those of 4
-// and 5 rows (M = 12 as 6 + 6 took 1.08-1.20x the time of 4 + 4 + 4), and from 7
-// rows up those take no more tiles (M = 7-10) or one more over a weight in L1.
+// the VM's slow stretches the two ran about even; see tile() for its A prefetch).
+// At M = 6 only: per row the 6-row tile is slower than those of 4 and 5 rows (M = 12
+// as 6 + 6 took 1.08-1.20x the time of 4 + 4 + 4), and from 7 rows up those take no
+// more tiles (M = 7-10) or one more over a weight in L1.
 constexpr int kPrescaledMaxMT = 6;
 
 template <class D, int NT, bool kPre = false>
@@ -1935,8 +1936,8 @@ constexpr int64_t kPrescaleMinRows = 2;
 // time per row at M = 16-18 and 0.92-1.04x at 24 (4096 x 4096, 2880 x 2880,
 // 5760 x 2880, 14336 x 4096, 4096 x 14336); with a bf16 F.linear over a 32 MiB
 // weight between the calls (as in the ggml side by side) 1.05-1.14x at 17 and
-// 0.85-1.05x at 24-25. At K = 14336 (4096 x 14336) they took 0.85-1.05x from M = 17
-// to 24 in that setting (two runs; 0.88-0.94x at 24). With the switch at 17 for every K the side by side
+// 0.85-1.05x at 24-25, and at K = 14336 (4096 x 14336) 0.92-1.05x at 17 and
+// 0.88-0.94x at 24 (three runs). With the switch at 17 for every K the side by side
 // saw steps of 1.11-1.24x per row at 16 -> 17 on four shapes; with it at 11 (stop
 // 26), 10 -> 11 was one of 1.11-1.17x (31 rounds). 8192 lies between the K
 // measured (4096 and 14336).
