@@ -1479,6 +1479,16 @@ struct Problem {
   int64_t N;
 };
 
+// With A prescaled (no scale registers), 6 x 4 accumulators, the byte tables and the
+// decoded pair fit, and M = 6 runs as one tile instead of two of 3 rows, which decode
+// the weight twice: the step from 5 to 6 rows went from 1.18-1.20x the time per row
+// on three of four shapes to 1.03-1.07x (kernel calls, cold, 21 rounds, Zen 4; in
+// the VM's slow stretches the two ran about even; see tile() for its A prefetch).
+// At M = 6 only: per row the 6-row tile is slower than those of 4 and 5 rows (M = 12
+// as 6 + 6 took 1.08-1.20x the time of 4 + 4 + 4), and from 7 rows up those take no
+// more tiles (M = 7-10) or one more over a weight in L1.
+constexpr int kPrescaledMaxMT = 6;
+
 // How far ahead (in groups) the tiles of 5 and more rows prefetch A.
 constexpr int64_t kAheadGroupsA = 4;
 
@@ -1527,7 +1537,7 @@ void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
     // the time of two tiles of 2 and 3 rows; with it 0.90-0.91x. Not the
     // prescaled 6-row tile: with these 12 prefetches per group it took 1.05-1.09x
     // the time it takes without them (kernel calls, weights in L3, Zen 4).
-    if constexpr (MT >= 5 && !(kPre && MT >= 6)) {
+    if constexpr (MT >= 5 && !(kPre && NT == 4 && MT == kPrescaledMaxMT)) {
       for (int i = 0; i < MT; ++i)
         for (int r = 0; r < D::kRegs; ++r)
           _mm_prefetch(reinterpret_cast<const char*>(arows[i] + (g + kAheadGroupsA) * D::kGroupElems + 32 * r),
@@ -1603,22 +1613,13 @@ void tile(const D& dec, const Problem& p, int64_t m0, int64_t n0) {
 // "The fp8 M = 4 -> 5 step: A's streams (stop 22 ...)" of docs/benchmarks.md).
 template <class D>
 constexpr int kDirectMaxMT = std::is_same_v<D, Fp4Span> ? 2 : 5;
-// With A prescaled (no scale registers), 6 x 4 accumulators, the byte tables and the
-// decoded pair fit, and M = 6 runs as one tile instead of two of 3 rows, which decode
-// the weight twice: the step from 5 to 6 rows went from 1.18-1.20x the time per row
-// on three of four shapes to 1.03-1.07x (kernel calls, cold, 21 rounds, Zen 4; in
-// the VM's slow stretches the two ran about even; see tile() for its A prefetch).
-// At M = 6 only: per row the 6-row tile is slower than those of 4 and 5 rows (M = 12
-// as 6 + 6 took 1.08-1.20x the time of 4 + 4 + 4), and from 7 rows up those take no
-// more tiles (M = 7-10) or one more over a weight in L1.
-constexpr int kPrescaledMaxMT = 6;
 
 template <class D, int NT, bool kPre = false>
 void rows_tile(const D& dec, const Problem& p, int64_t M, int64_t n0) {
   // Row tiles of near-equal height <= 8 for NT = 1, 2; <= kDirectMaxMT<D> for NT = 4,
-  // or with A prescaled one tile where M = kPrescaledMaxMT.
+  // except one tile where A is prescaled and M = kPrescaledMaxMT.
   constexpr int kMaxMT = NT != 4 ? 8 : kPre ? kPrescaledMaxMT : kDirectMaxMT<D>;
-  const int64_t height = NT == 4 && kPre && M != kPrescaledMaxMT ? kDirectMaxMT<D> : kMaxMT;
+  const int64_t height = kPre && M == kPrescaledMaxMT ? M : NT != 4 ? 8 : kDirectMaxMT<D>;
   const int64_t tiles = (M + height - 1) / height;
   int64_t m0 = 0;
   for (int64_t t = 0; t < tiles; ++t) {
